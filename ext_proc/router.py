@@ -1,0 +1,117 @@
+"""The request router: key -> candidates -> reservation -> decision, for one request.
+
+This is the part of ext_proc that knows nothing about gRPC. It holds the
+current :class:`~prefix_router.routing.RoutingTable` (swapped whole when the
+fleet or the config changes) and a :class:`~prefix_router.loads.LoadStore`.
+
+When the store fails or is slower than ``redis_timeout_ms``, the request is
+routed by the ring alone (``RING_ONLY``), the failure is logged once, and the
+store is left alone for a short back-off so a dead Redis costs each request
+nothing; the first success after that logs the recovery.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+import time
+from dataclasses import dataclass
+
+from prefix_router.loads import LoadStore, LoadsUnavailable
+from prefix_router.prefix_key import Fallback, PrefixKey, extract_key
+from prefix_router.routing import Decision, Outcome, RoutingTable
+
+log = logging.getLogger("prefix_router.ext_proc")
+
+STORE_BACKOFF_S = 0.5
+
+
+class RouterCallbacks:
+    """Hooks for metrics and logs; every method is a no-op by default."""
+
+    def on_decision(self, decision: Decision, seconds: float) -> None:
+        """A request was routed; ``seconds`` is the decision's latency."""
+
+    def on_fallback(self, reason: Fallback) -> None:
+        """``openai`` key extraction fell back to ``bytes``."""
+
+    def on_error(self, error: BaseException) -> None:
+        """Routing failed with an unexpected error; the request went on unrouted."""
+
+
+@dataclass(slots=True)
+class RouteResult:
+    decision: Decision
+    key: PrefixKey
+    reserved: str | None
+    """Instance id whose in-flight count this request holds, to release at its end."""
+
+
+class RequestRouter:
+    def __init__(
+        self,
+        table: RoutingTable,
+        store: LoadStore,
+        callbacks: RouterCallbacks | None = None,
+    ) -> None:
+        self.table = table
+        self.store = store
+        self.callbacks = callbacks or RouterCallbacks()
+        self._store_down_until = 0.0
+        self._store_down = False
+
+    def use(self, table: RoutingTable) -> None:
+        """Route new requests with ``table``; requests in flight keep theirs."""
+        self.table = table
+
+    async def route(
+        self, body: bytes, *, path: str, tenant: str, complete: bool = True
+    ) -> RouteResult:
+        started = time.perf_counter()
+        table = self.table
+        key = extract_key(
+            body, settings=table.key_settings, path=path, tenant=tenant, complete=complete
+        )
+        if key.fallback is not None:
+            self.callbacks.on_fallback(key.fallback)
+        candidates = table.candidates_for(key.value)
+        if not candidates:
+            decision = Decision(Outcome.NO_INSTANCES, None, None, None)
+            self.callbacks.on_decision(decision, time.perf_counter() - started)
+            return RouteResult(decision, key, None)
+        ids = table.ids
+        home = ids[candidates[0]]
+        chosen = 0
+        reserved: str | None = None
+        outcome = Outcome.RING_ONLY
+        now = time.monotonic()
+        if now >= self._store_down_until:
+            try:
+                async with asyncio.timeout(table.config.redis_timeout_ms / 1000):
+                    reservation = await self.store.reserve(
+                        [ids[c] for c in candidates], table.spill, len(ids)
+                    )
+                chosen = reservation.index
+                reserved = ids[candidates[chosen]]
+                outcome = Outcome.HOME if chosen == 0 else Outcome.SPILLED
+                if self._store_down:
+                    self._store_down = False
+                    log.warning("load store answers again: spill resumed")
+            except (LoadsUnavailable, TimeoutError, OSError, ConnectionError) as exc:
+                self._store_down_until = now + STORE_BACKOFF_S
+                if not self._store_down:
+                    self._store_down = True
+                    log.warning("load store unavailable (%r): routing by the ring alone", exc)
+        decision = Decision(
+            outcome,
+            ids[candidates[chosen]],
+            table.header_for(key.value, candidates, chosen),
+            home,
+        )
+        self.callbacks.on_decision(decision, time.perf_counter() - started)
+        return RouteResult(decision, key, reserved)
+
+    def finish(self, result: RouteResult) -> None:
+        """The request ended (normally or not): give back its in-flight count."""
+        if result.reserved is not None:
+            self.store.release(result.reserved)

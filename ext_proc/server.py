@@ -1,0 +1,94 @@
+"""ext_proc process: gRPC server, health service, routing-table updates, shutdown.
+
+``main(argv)`` is ``prefix-router ext-proc``. The fleet and config come either
+from flags (a static fleet) or from the control plane's state in Redis
+(``--redis-url``), which this process follows live.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import logging
+import signal
+from collections.abc import Sequence
+
+import grpc
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from ext_proc.router import RequestRouter
+from ext_proc.servicer import ExternalProcessor
+from prefix_router.config import RouterConfig, load_config_file
+from prefix_router.fleet import Fleet, Instance
+from prefix_router.loads import InMemoryLoadStore
+from prefix_router.logs import setup_logging
+from prefix_router.routing import RoutingTable
+
+log = logging.getLogger("prefix_router.ext_proc")
+
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+
+async def serve(
+    router: RequestRouter,
+    *,
+    host: str = "127.0.0.1",
+    port: int,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Serve ext_proc (and gRPC health) on ``host:port`` until ``stop`` is set."""
+    server = grpc.aio.server(
+        options=[
+            ("grpc.so_reuseport", 0),
+            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
+            ("grpc.http2.max_pings_without_data", 0),
+        ]
+    )
+    servicer = ExternalProcessor(router)
+    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
+    bound = server.add_insecure_port(f"{host}:{port}")
+    if bound == 0:
+        raise OSError(f"ext_proc cannot bind {host}:{port}")
+    await server.start()
+    for name in ("", SERVICE_NAME):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    log.info("ext_proc serving on %s:%d", host, port)
+    stop = stop or asyncio.Event()
+    try:
+        await stop.wait()
+    finally:
+        for name in ("", SERVICE_NAME):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.stop(grace=2.0)
+        log.info("ext_proc stopped")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prefix-router ext-proc", description=__doc__)
+    p.add_argument("--host", default="127.0.0.1")
+    p.add_argument("--port", type=int, required=True)
+    p.add_argument("--backend", action="append", default=[], help="host:port (static fleet)")
+    p.add_argument("--config", help="YAML file with the routing config")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    setup_logging("ext_proc", args.log_level)
+    config = load_config_file(args.config) if args.config else RouterConfig()
+    fleet = Fleet.of([Instance.from_url(b) for b in args.backend])
+    router = RequestRouter(RoutingTable.build(fleet, config), InMemoryLoadStore())
+
+    async def run() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await serve(router, host=args.host, port=args.port, stop=stop)
+
+    asyncio.run(run())
+    return 0

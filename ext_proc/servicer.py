@@ -1,0 +1,120 @@
+"""Envoy External Processing (ext_proc) servicer: the gRPC shell around the router.
+
+Envoy runs the ext_proc filter with ``request_header_mode: SEND``,
+``request_body_mode: BUFFERED_PARTIAL`` and ``response_header_mode: SEND``;
+one gRPC stream carries one HTTP request:
+
+1. request headers -> remember ``:path`` and the tenant header; continue.
+   (A header set here would be dropped by Envoy 1.40 in the body phase unless
+   headers are SENT, which is why they are.)
+2. request body (the whole body, or its first part when it exceeds Envoy's
+   buffer) -> route it and set ``x-prefix-key`` as a header mutation.
+3. response headers -> continue. Asking for them keeps the stream open until
+   the response completes, so the stream's end (normal or a client abort) is
+   the request's end: that is when its in-flight count is given back.
+
+Responses that carry no mutation are prebuilt constants: the hot path
+allocates only the one body response.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import AsyncIterator
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+
+from ext_proc.router import RequestRouter, RouteResult
+
+log = logging.getLogger("prefix_router.ext_proc")
+
+PREFIX_KEY_HEADER = "x-prefix-key"
+
+_CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
+_CONTINUE_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
+_CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
+_CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
+
+
+def _route_response(header_value: str) -> pb.ProcessingResponse:
+    return pb.ProcessingResponse(
+        request_body=pb.BodyResponse(
+            response=pb.CommonResponse(
+                header_mutation=pb.HeaderMutation(
+                    set_headers=[
+                        base_pb2.HeaderValueOption(
+                            header=base_pb2.HeaderValue(
+                                key=PREFIX_KEY_HEADER, raw_value=header_value.encode()
+                            ),
+                            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                        )
+                    ]
+                )
+            )
+        )
+    )
+
+
+def _header(value: Any) -> str:
+    raw: bytes = value.raw_value
+    return raw.decode("latin-1") if raw else str(value.value)
+
+
+class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+    def __init__(self, router: RequestRouter) -> None:
+        self.router = router
+        self.open_streams = 0
+
+    async def Process(  # noqa: N802 - the gRPC method name
+        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
+    ) -> AsyncIterator[pb.ProcessingResponse]:
+        router = self.router
+        tenant_header = router.table.config.tenant_header
+        path = ""
+        tenant = ""
+        result: RouteResult | None = None
+        self.open_streams += 1
+        try:
+            async for message in request_iterator:
+                kind = message.WhichOneof("request")
+                if kind == "request_headers":
+                    for h in message.request_headers.headers.headers:
+                        name = h.key
+                        if name == ":path":
+                            path = _header(h)
+                        elif name == tenant_header:
+                            tenant = _header(h)
+                    yield _CONTINUE_REQUEST_HEADERS
+                elif kind == "request_body":
+                    if result is not None:  # a later chunk (streamed body): nothing to add
+                        yield _CONTINUE_REQUEST_BODY
+                        continue
+                    body = message.request_body
+                    try:
+                        result = await router.route(
+                            body.body, path=path, tenant=tenant, complete=body.end_of_stream
+                        )
+                    except Exception as exc:  # the data path never fails a request
+                        router.callbacks.on_error(exc)
+                        log.exception("routing failed; request goes on unrouted")
+                        yield _CONTINUE_REQUEST_BODY
+                        continue
+                    header_value = result.decision.header_value
+                    yield (
+                        _route_response(header_value)
+                        if header_value is not None
+                        else _CONTINUE_REQUEST_BODY
+                    )
+                elif kind == "response_headers":
+                    yield _CONTINUE_RESPONSE_HEADERS
+                elif kind == "response_body":
+                    yield _CONTINUE_RESPONSE_BODY
+                else:
+                    log.debug("ignoring ext_proc message %s", kind)
+        finally:
+            self.open_streams -= 1
+            if result is not None:
+                router.finish(result)

@@ -1,0 +1,144 @@
+"""Render ``envoy/bootstrap.yaml`` for one Envoy.
+
+Two fleet sources:
+
+* ``static``: the model cluster and its endpoints are written into the
+  bootstrap (a fixed fleet; the walking skeleton and single-file setups);
+* ``xds``: Envoy learns the cluster and endpoints from the control plane over
+  ADS (CDS + EDS), and follows every change made through the admin API.
+"""
+
+from __future__ import annotations
+
+import json
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from string import Template
+from typing import Any
+
+from prefix_router.config import RouterConfig
+from prefix_router.envoy_cluster import MODEL_CLUSTER, model_cluster
+from prefix_router.fleet import Fleet
+
+XDS_CLUSTER = "xds"
+EXT_PROC_CLUSTER = "ext_proc"
+
+
+def template_path() -> Path:
+    """The bootstrap template: ``envoy/bootstrap.yaml`` in a checkout, or the packaged copy."""
+    checkout = Path(__file__).resolve().parent.parent / "envoy" / "bootstrap.yaml"
+    if checkout.exists():
+        return checkout
+    return Path(str(resources.files("prefix_router") / "bootstrap.yaml"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BootstrapParams:
+    listen_address: str = "127.0.0.1"
+    listen_port: int
+    admin_address: str = "127.0.0.1"
+    admin_port: int
+    ext_proc: tuple[tuple[str, int], ...]
+    """``(host, port)`` of every ext_proc process; Envoy balances streams over them."""
+    node_id: str = "prefix-router-envoy"
+    xds: tuple[str, int] | None = None
+    """Control plane ``(host, port)``; None for a static fleet."""
+    body_buffer_bytes: int = 4 * 1024 * 1024
+    max_body_bytes: int = 64 * 1024 * 1024
+    ext_proc_timeout_ms: int = 200
+
+
+def _static_cluster(
+    name: str, hosts: tuple[tuple[str, int], ...], *, http2: bool
+) -> dict[str, Any]:
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC",
+        "connect_timeout": "0.25s",
+        "lb_policy": "ROUND_ROBIN",
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {
+                            "endpoint": {
+                                "address": {"socket_address": {"address": h, "port_value": p}}
+                            }
+                        }
+                        for h, p in hosts
+                    ]
+                }
+            ],
+        },
+    }
+    if http2:
+        options = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+        cluster["typed_extension_protocol_options"] = {
+            options: {
+                "@type": f"type.googleapis.com/{options}",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    return cluster
+
+
+def route_action(config: RouterConfig) -> dict[str, Any]:
+    """The data-plane route: hash on x-prefix-key, never time out a long generation."""
+    route: dict[str, Any] = {
+        "cluster": MODEL_CLUSTER,
+        "timeout": "0s",
+        "hash_policy": [{"header": {"header_name": "x-prefix-key"}}],
+    }
+    retry = config.retry
+    if retry.enabled and retry.num_retries > 0:
+        policy: dict[str, Any] = {
+            "retry_on": retry.retry_on,
+            "num_retries": retry.num_retries,
+        }
+        if retry.per_try_timeout_ms:
+            policy["per_try_timeout"] = f"{retry.per_try_timeout_ms / 1000:.3f}s"
+        route["retry_policy"] = policy
+    return route
+
+
+def render_bootstrap(
+    params: BootstrapParams, config: RouterConfig, fleet: Fleet | None = None
+) -> str:
+    """The bootstrap YAML. ``fleet`` is required for a static fleet, ignored with xDS."""
+    clusters = [_static_cluster(EXT_PROC_CLUSTER, params.ext_proc, http2=True)]
+    dynamic = ""
+    if params.xds is not None:
+        clusters.append(_static_cluster(XDS_CLUSTER, (params.xds,), http2=True))
+        dynamic = "dynamic_resources:\n" + json.dumps(
+            {
+                "ads_config": {
+                    "api_type": "GRPC",
+                    "transport_api_version": "V3",
+                    "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
+                    "set_node_on_first_message_only": True,
+                },
+                "cds_config": {"ads": {}, "resource_api_version": "V3"},
+            },
+            indent=None,
+        ).join(["  ", "\n"])
+    else:
+        if fleet is None:
+            raise ValueError("a static bootstrap needs the fleet")
+        clusters.append(model_cluster(config, fleet, eds=False))
+    template = Template(template_path().read_text())
+    return template.substitute(
+        node_id=params.node_id,
+        admin_address=params.admin_address,
+        admin_port=params.admin_port,
+        listen_address=params.listen_address,
+        listen_port=params.listen_port,
+        body_buffer_bytes=params.body_buffer_bytes,
+        max_body_bytes=params.max_body_bytes,
+        max_body_bytes_plus_one=params.max_body_bytes + 1,
+        ext_proc_timeout=f"{params.ext_proc_timeout_ms / 1000:.3f}s",
+        route_json=json.dumps(route_action(config)),
+        static_clusters_json=json.dumps(clusters),
+        dynamic_resources=dynamic,
+    )

@@ -1,0 +1,108 @@
+"""The model-serving cluster as Envoy sees it, built by one pure function.
+
+The same dict feeds the static bootstrap (``prefix-router up --static``, tests)
+and the control plane's CDS/EDS snapshots (parsed into protos there), so the
+ring-hash sizing, health checking, outlier detection and circuit breakers are
+defined once.
+"""
+
+from __future__ import annotations
+
+from typing import Any
+
+from prefix_router.config import RouterConfig
+from prefix_router.fleet import Fleet, Instance, InstanceState
+from prefix_router.ring import ring_size_for
+
+MODEL_CLUSTER = "models"
+
+
+def _duration(ms: int) -> str:
+    return f"{ms / 1000:.3f}s"
+
+
+def model_cluster(config: RouterConfig, fleet: Fleet, *, eds: bool) -> dict[str, Any]:
+    """Envoy ``Cluster`` (JSON form) for the fleet; with ``eds`` its endpoints come from EDS."""
+    hc = config.health_check
+    od = config.outlier_detection
+    cb = config.circuit_breakers
+    cluster: dict[str, Any] = {
+        "name": MODEL_CLUSTER,
+        "connect_timeout": "1s",
+        "lb_policy": "RING_HASH",
+        "ring_hash_lb_config": {
+            "hash_function": "XX_HASH",
+            "minimum_ring_size": str(ring_size_for(fleet.routable, config.ring.entries_per_weight)),
+            "maximum_ring_size": str(8 * 1024 * 1024),
+        },
+        "common_lb_config": {
+            # Never spray a hot ring over every host when some fail health checks.
+            "healthy_panic_threshold": {"value": 0.0},
+        },
+        "health_checks": [
+            {
+                "timeout": _duration(hc.timeout_ms),
+                "interval": _duration(hc.interval_ms),
+                "unhealthy_threshold": hc.unhealthy_threshold,
+                "healthy_threshold": hc.healthy_threshold,
+                "no_traffic_interval": _duration(hc.interval_ms),
+                "http_health_check": {"path": hc.path},
+            }
+        ],
+        "outlier_detection": {
+            "consecutive_5xx": od.consecutive_5xx,
+            "interval": _duration(od.interval_ms),
+            "base_ejection_time": _duration(od.base_ejection_time_ms),
+            "max_ejection_percent": od.max_ejection_percent,
+        },
+        "circuit_breakers": {
+            "thresholds": [
+                {
+                    "max_connections": cb.max_connections,
+                    "max_pending_requests": cb.max_pending_requests,
+                    "max_requests": cb.max_requests,
+                    "max_retries": cb.max_retries,
+                }
+            ]
+        },
+    }
+    if eds:
+        cluster["type"] = "EDS"
+        cluster["eds_cluster_config"] = {
+            "eds_config": {"ads": {}, "resource_api_version": "V3"},
+            "service_name": MODEL_CLUSTER,
+        }
+    else:
+        cluster["type"] = "STATIC"
+        cluster["load_assignment"] = load_assignment(fleet)
+    return cluster
+
+
+def load_assignment(fleet: Fleet) -> dict[str, Any]:
+    """Envoy ``ClusterLoadAssignment`` (JSON form): every instance, draining ones marked so."""
+    return {
+        "cluster_name": MODEL_CLUSTER,
+        "endpoints": [{"lb_endpoints": [_lb_endpoint(i) for i in fleet.instances]}],
+    }
+
+
+def _lb_endpoint(instance: Instance) -> dict[str, Any]:
+    endpoint: dict[str, Any] = {
+        "endpoint": {
+            "address": {
+                "socket_address": {"address": instance.address, "port_value": instance.port}
+            },
+            "hostname": instance.id,
+        },
+        "load_balancing_weight": instance.weight,
+        "health_status": _health_status(instance),
+    }
+    if instance.hash_key:
+        endpoint["metadata"] = {"filter_metadata": {"envoy.lb": {"hash_key": instance.hash_key}}}
+    return endpoint
+
+
+def _health_status(instance: Instance) -> str:
+    if instance.state is InstanceState.DRAINING:
+        return "DRAINING"
+    return "HEALTHY" if instance.healthy else "UNHEALTHY"

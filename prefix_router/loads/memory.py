@@ -1,0 +1,38 @@
+"""In-process load store: exact counts for a single ext_proc replica."""
+
+from __future__ import annotations
+
+from collections import defaultdict
+from collections.abc import Sequence
+
+from prefix_router.loads.base import Reservation
+from prefix_router.spill import SpillRule, choose
+
+
+class InMemoryLoadStore:
+    """Counts live in this process only: correct for one replica, not shared."""
+
+    def __init__(self) -> None:
+        self._counts: defaultdict[str, int] = defaultdict(int)
+        self._total = 0
+
+    async def reserve(
+        self, candidates: Sequence[str], rule: SpillRule, fleet_size: int
+    ) -> Reservation:
+        loads = tuple(self._counts[c] for c in candidates)
+        index = choose(loads, rule, fleet_total=self._total, fleet_size=fleet_size)
+        self._counts[candidates[index]] += 1
+        self._total += 1
+        return Reservation(index=index, loads=loads)
+
+    def release(self, instance_id: str) -> None:
+        if self._counts.get(instance_id, 0) > 0:
+            self._counts[instance_id] -= 1
+            self._total -= 1
+
+    async def in_flight(self) -> dict[str, int]:
+        return {k: v for k, v in self._counts.items() if v}
+
+    async def close(self) -> None:
+        self._counts.clear()
+        self._total = 0

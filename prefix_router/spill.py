@@ -1,0 +1,66 @@
+"""Overload spill: the pure decision of which ring candidate takes a request.
+
+Candidates come in ring order from the key's position: index 0 is the home
+(Envoy's own pick for the key), then the stable second, third, ... homes. Each
+policy is one small function over their fleet-wide in-flight counts:
+
+``none``
+    Always home; counts are still kept, for metrics.
+``bounded-load``
+    The first candidate whose count is below ConcurrencyThreshold
+    (bounded-load consistent hashing: a hot prefix spills to a stable second and
+    third home, whose caches then hold it too); if all are at or above it, the
+    least loaded (the first of equals).
+``relative-load``
+    The same walk with a relative bound: no instance above
+    ``ceil(load_factor x (fleet in-flight + 1) / fleet size)``.
+
+The Redis store runs the same rule inside one Lua call so check-and-reserve is
+atomic; the table-driven tests hold this module and the Lua to the same cases.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+from prefix_router.config import RouterConfig, SpillPolicyName
+
+
+@dataclass(frozen=True, slots=True)
+class SpillRule:
+    """The spill settings one decision needs; built once per config."""
+
+    policy: SpillPolicyName
+    threshold: int
+    load_factor: float = 1.25
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> SpillRule:
+        return cls(
+            policy=config.spill.policy,
+            threshold=config.concurrency_threshold,
+            load_factor=config.spill.load_factor,
+        )
+
+    def limit(self, fleet_total: int, fleet_size: int) -> int:
+        """In-flight count at or above which an instance takes no more requests."""
+        if self.policy is SpillPolicyName.RELATIVE_LOAD:
+            return max(1, math.ceil(self.load_factor * (fleet_total + 1) / max(1, fleet_size)))
+        return self.threshold
+
+
+def choose(
+    loads: Sequence[int], rule: SpillRule, *, fleet_total: int = 0, fleet_size: int = 1
+) -> int:
+    """Index into ``loads`` (ring order, 0 = home) of the candidate that takes the request."""
+    if not loads:
+        raise ValueError("choose() needs at least one candidate")
+    if rule.policy is SpillPolicyName.NONE:
+        return 0
+    limit = rule.limit(fleet_total, fleet_size)
+    for index, load in enumerate(loads):
+        if load < limit:
+            return index
+    return min(range(len(loads)), key=loads.__getitem__)

@@ -1,0 +1,46 @@
+"""Shared fixtures: free ports, a log folder per test, and a process reaper.
+
+Every process a test starts goes through ``procs`` and is stopped at teardown,
+also when the test fails.
+"""
+
+from __future__ import annotations
+
+import os
+from collections.abc import Iterator
+from pathlib import Path
+
+import pytest
+
+from prefix_router.procs import ManagedProcess
+
+REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
+
+
+class ProcessReaper:
+    def __init__(self) -> None:
+        self.started: list[ManagedProcess] = []
+
+    def add(self, proc: ManagedProcess) -> ManagedProcess:
+        self.started.append(proc)
+        return proc
+
+    def stop_all(self) -> None:
+        for proc in reversed(self.started):
+            proc.stop(grace=3.0)
+
+
+@pytest.fixture
+def procs() -> Iterator[ProcessReaper]:
+    reaper = ProcessReaper()
+    try:
+        yield reaper
+    finally:
+        reaper.stop_all()
+
+
+@pytest.fixture
+def log_dir(tmp_path: Path) -> Path:
+    path = tmp_path / "logs"
+    path.mkdir()
+    return path

@@ -1,0 +1,87 @@
+"""A real data path on 127.0.0.1: echo backends, ext_proc, Envoy with a static fleet."""
+
+from __future__ import annotations
+
+import json
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from prefix_router.config import RouterConfig
+from prefix_router.envoy_bootstrap import BootstrapParams
+from prefix_router.fleet import Fleet, Instance
+from prefix_router.launch import start_envoy, start_ext_proc, start_module
+from prefix_router.procs import ManagedProcess, free_port
+from tests.conftest import ProcessReaper
+
+
+@dataclass
+class StaticStack:
+    url: str
+    admin_port: int
+    fleet: Fleet
+    config: RouterConfig
+    ext_proc_ports: list[int]
+    ext_procs: list[ManagedProcess] = field(default_factory=list)
+    envoy: ManagedProcess | None = None
+    backends: ManagedProcess | None = None
+
+
+def start_static_stack(
+    procs: ProcessReaper,
+    log_dir: Path,
+    *,
+    backends: int = 3,
+    ext_procs: int = 1,
+    config: RouterConfig | None = None,
+    weights: Sequence[int] | None = None,
+    hash_keys: Sequence[str | None] | None = None,
+    start_ext_procs: bool = True,
+) -> StaticStack:
+    config = config or RouterConfig()
+    ports = [free_port() for _ in range(backends)]
+    weights = weights or [1] * backends
+    hash_keys = hash_keys or [None] * backends
+    fleet = Fleet.of(
+        [
+            Instance("127.0.0.1", p, weight=w, hash_key=k)
+            for p, w, k in zip(ports, weights, hash_keys, strict=True)
+        ]
+    )
+    stack = StaticStack(
+        url="",
+        admin_port=free_port(),
+        fleet=fleet,
+        config=config,
+        ext_proc_ports=[free_port() for _ in range(ext_procs)],
+    )
+    stack.backends = procs.add(
+        start_module(
+            "backends",
+            "tests.support.echo_backend",
+            [str(p) for p in ports],
+            log_dir,
+            ready_ports=ports,
+        )
+    )
+    config_file = log_dir / "routing.json"
+    config_file.write_text(json.dumps(config.to_json_dict()))
+    if start_ext_procs:
+        for port in stack.ext_proc_ports:
+            stack.ext_procs.append(procs.add(start_ext_proc_for(stack, port, log_dir)))
+    listen_port = free_port()
+    params = BootstrapParams(
+        listen_port=listen_port,
+        admin_port=stack.admin_port,
+        ext_proc=tuple(("127.0.0.1", p) for p in stack.ext_proc_ports),
+    )
+    stack.envoy = procs.add(start_envoy(params, config, log_dir, fleet=fleet))
+    stack.url = f"http://127.0.0.1:{listen_port}"
+    return stack
+
+
+def start_ext_proc_for(stack: StaticStack, port: int, log_dir: Path) -> ManagedProcess:
+    args = ["--config", str(log_dir / "routing.json")]
+    for inst in stack.fleet.instances:
+        args += ["--backend", f"{inst.address}:{inst.port}:{inst.weight}:{inst.hash_key or ''}"]
+    return start_ext_proc(port, log_dir, args=args)

@@ -1,0 +1,103 @@
+"""The data path end to end: real Envoy, real ext_proc (gRPC), real HTTP backends."""
+
+from __future__ import annotations
+
+import json
+import random
+from collections import Counter
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prefix_router.config import RouterConfig
+from prefix_router.ring import Ring
+from tests.conftest import ProcessReaper
+from tests.support.static_stack import StaticStack, start_static_stack
+
+pytestmark = pytest.mark.e2e
+
+
+def chat(content: str, **extra: object) -> bytes:
+    return json.dumps(
+        {"model": "m", "messages": [{"role": "user", "content": content}], **extra}
+    ).encode()
+
+
+def post(client: httpx.Client, stack: StaticStack, body: bytes, **headers: str) -> dict[str, str]:
+    r = client.post(f"{stack.url}/v1/chat/completions", content=body, headers=headers)
+    assert r.status_code == 200, r.text
+    return r.json()  # type: ignore[no-any-return]
+
+
+@pytest.fixture
+def stack(procs: ProcessReaper, log_dir: Path) -> StaticStack:
+    return start_static_stack(procs, log_dir, backends=3)
+
+
+def test_one_prefix_lands_on_one_backend(stack: StaticStack) -> None:
+    with httpx.Client(timeout=10) as client:
+        seen = {post(client, stack, chat("the same prompt"))["backend"] for _ in range(50)}
+    assert len(seen) == 1
+
+
+def test_distinct_prefixes_reach_every_backend_as_the_mirror_predicts(stack: StaticStack) -> None:
+    ring = Ring.build(stack.fleet.routable, minimum_ring_size=256 * 3)
+    seen: Counter[str] = Counter()
+    with httpx.Client(timeout=10) as client:
+        for i in range(200):
+            answer = post(client, stack, chat(f"prompt number {i}"))
+            seen[answer["backend"]] += 1
+            predicted = ring.pick(answer["prefix_key"])
+            assert predicted is not None and str(predicted.port) == answer["backend"]
+    assert len(seen) == 3, seen
+
+
+def test_requests_succeed_while_ext_proc_is_stopped(stack: StaticStack) -> None:
+    stack.ext_procs[0].stop()
+    with httpx.Client(timeout=10) as client:
+        for i in range(20):
+            answer = post(client, stack, chat(f"no router {i}"))
+            assert answer["prefix_key"] is None
+
+
+def test_large_bodies_pass_and_oversized_ones_get_413(stack: StaticStack) -> None:
+    with httpx.Client(timeout=30) as client:
+        for size in (4 * 1024 * 1024, 16 * 1024 * 1024):
+            answer = post(client, stack, chat("x" * size))
+            assert answer["bytes"] > size
+            assert answer["prefix_key"]
+        too_big = client.post(
+            f"{stack.url}/v1/chat/completions", content=b"x" * (64 * 1024 * 1024 + 1)
+        )
+        assert too_big.status_code == 413
+        assert "larger than" in too_big.text
+
+
+def test_a_client_sent_prefix_key_never_decides(stack: StaticStack) -> None:
+    body = chat("forged")
+    with httpx.Client(timeout=10) as client:
+        honest = post(client, stack, body)["prefix_key"]
+        forged = {
+            post(client, stack, body, **{"x-prefix-key": f"forged-{i}"})["prefix_key"]
+            for i in range(20)
+        }
+        assert forged == {honest}
+        stack.ext_procs[0].stop()
+        # ext_proc down: the forged header is still removed before anything routes on it.
+        forged_down = [
+            post(client, stack, body, **{"x-prefix-key": "forged"})["prefix_key"]
+            for _ in range(5)
+        ]
+        assert forged_down == [None] * 5
+
+
+def test_prefix_mode_bytes_keys_on_raw_bytes(procs: ProcessReaper, log_dir: Path) -> None:
+    config = RouterConfig.model_validate({"prefix_mode": "bytes", "prefix_length": 8})
+    stack = start_static_stack(procs, log_dir, backends=3, config=config)
+    rng = random.Random(7)
+    with httpx.Client(timeout=10) as client:
+        keys = {
+            post(client, stack, b"samefirst" + rng.randbytes(40))["prefix_key"] for _ in range(10)
+        }
+    assert len(keys) == 1
