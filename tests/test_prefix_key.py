@@ -1,0 +1,141 @@
+"""Prefix keys: stable across JSON spellings, different where the prompt differs."""
+
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from prefix_router.config import PrefixMode
+from prefix_router.prefix_key import Fallback, KeySettings, extract_key
+
+OPENAI = KeySettings(prefix_length=1024, mode=PrefixMode.OPENAI)
+BYTES = KeySettings(prefix_length=16, mode=PrefixMode.BYTES)
+CHAT = "/v1/chat/completions"
+
+MESSAGES = [
+    {"role": "system", "content": "You are a careful assistant. é ☃"},
+    {"role": "user", "content": "Summarise the report."},
+]
+
+
+def key(body: bytes | str, *, path: str = CHAT, settings: KeySettings = OPENAI, **kw: str) -> str:
+    raw = body.encode() if isinstance(body, str) else body
+    return extract_key(raw, settings=settings, path=path, **kw).value
+
+
+def test_json_spelling_does_not_change_the_key() -> None:
+    compact = json.dumps({"model": "m", "messages": MESSAGES}, separators=(",", ":"))
+    spaced = json.dumps({"messages": MESSAGES, "model": "m"}, indent=4)
+    escaped = json.dumps({"model": "m", "messages": MESSAGES}, ensure_ascii=True)
+    assert key(compact) == key(spaced) == key(escaped)
+
+
+def test_fields_that_never_reach_the_prompt_do_not_change_the_key() -> None:
+    base = {"model": "m", "messages": MESSAGES}
+    varied = {**base, "temperature": 0.7, "max_tokens": 12, "stream": True, "user": "u1", "n": 2}
+    assert key(json.dumps(base)) == key(json.dumps(varied))
+
+
+def test_number_formatting_in_tools_does_not_change_the_key() -> None:
+    a = (
+        '{"model":"m","tools":[{"type":"function","function":{"name":"f","x":1.0}}],'
+        '"messages":[{"role":"user","content":"hi"}]}'
+    )
+    b = (
+        '{"messages":[{"content":"hi","role":"user"}],"model":"m",'
+        '"tools":[{"function":{"x":1.00e0,"name":"f"},"type":"function"}]}'
+    )
+    assert key(a) == key(b)
+
+
+@pytest.mark.parametrize(
+    "change",
+    [
+        {"model": "other-lora"},
+        {"messages": [{"role": "user", "content": "Summarise the report."}]},
+        {"messages": [{"role": "system", "content": "You are a careless assistant."}]},
+        {"tools": [{"type": "function", "function": {"name": "g"}}]},
+    ],
+)
+def test_what_reaches_the_model_changes_the_key(change: dict[str, object]) -> None:
+    base = {"model": "m", "messages": MESSAGES}
+    assert key(json.dumps(base)) != key(json.dumps({**base, **change}))
+
+
+def test_content_parts_render_like_a_plain_string() -> None:
+    parts = [
+        {"role": "user", "content": [{"type": "text", "text": "a"}, {"type": "text", "text": "b"}]}
+    ]
+    plain = [{"role": "user", "content": "a\nb"}]
+    assert key(json.dumps({"model": "m", "messages": parts})) == key(
+        json.dumps({"model": "m", "messages": plain})
+    )
+
+
+def test_only_the_first_prefix_length_bytes_count() -> None:
+    short = KeySettings(prefix_length=64, mode=PrefixMode.OPENAI)
+    long_a = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 100 + "a"}]})
+    long_b = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 100 + "b"}]})
+    assert key(long_a, settings=short) == key(long_b, settings=short)
+    assert key(long_a) != key(long_b)
+
+
+def test_completions_prompt_is_keyed() -> None:
+    path = "/v1/completions"
+    assert key('{"model":"m","prompt":"abc"}', path=path) == key(
+        '{"prompt": "abc", "model": "m", "max_tokens": 5}', path=path
+    )
+    assert key('{"model":"m","prompt":"abc"}', path=path) != key(
+        '{"model":"m","prompt":"abd"}', path=path
+    )
+
+
+def test_tenants_and_cache_salts_never_share_a_key() -> None:
+    body = json.dumps({"model": "m", "messages": MESSAGES})
+    salted = json.dumps({"model": "m", "messages": MESSAGES, "cache_salt": "s1"})
+    keys = {key(body), key(body, tenant="t1"), key(body, tenant="t2"), key(salted)}
+    assert len(keys) == 4
+    assert key(b"abc", settings=BYTES, tenant="t1") != key(b"abc", settings=BYTES, tenant="t2")
+
+
+@pytest.mark.parametrize(
+    ("body", "path", "reason"),
+    [
+        (b"not json at all", CHAT, Fallback.INVALID_JSON),
+        (b'{"model": "m", "messages": [', CHAT, Fallback.INVALID_JSON),
+        (b"\xff\xfe\x00binary", CHAT, Fallback.INVALID_JSON),
+        (b"[1, 2, 3]", CHAT, Fallback.NOT_AN_OBJECT),
+        (b"", CHAT, Fallback.NO_BODY),
+        (b'{"model": 5, "messages": []}', CHAT, Fallback.UNEXPECTED_SHAPE),
+        (b'{"model": "m", "messages": "hi"}', CHAT, Fallback.UNEXPECTED_SHAPE),
+        (
+            b'{"model": "m", "messages": [{"role": "user", "content": 7}]}',
+            CHAT,
+            Fallback.UNEXPECTED_SHAPE,
+        ),
+        (b'{"model": "m"}', "/v1/embeddings", Fallback.OTHER_PATH),
+    ],
+)
+def test_anything_else_falls_back_to_bytes_with_a_reason(
+    body: bytes, path: str, reason: Fallback
+) -> None:
+    result = extract_key(body, settings=OPENAI, path=path)
+    assert result.fallback is reason
+    assert result.value == extract_key(body, settings=KeySettings(1024, PrefixMode.BYTES)).value
+
+
+def test_a_truncated_body_falls_back_to_bytes() -> None:
+    body = json.dumps({"model": "m", "messages": MESSAGES}).encode()
+    result = extract_key(body, settings=OPENAI, path=CHAT, complete=False)
+    assert result.fallback is Fallback.TRUNCATED
+
+
+def test_bytes_mode_keys_on_the_first_prefix_length_bytes() -> None:
+    assert key(b"0123456789abcdefXX", settings=BYTES) == key(b"0123456789abcdefYY", settings=BYTES)
+    assert key(b"0123456789abcdeXXX", settings=BYTES) != key(b"0123456789abcdefYY", settings=BYTES)
+
+
+def test_the_key_is_a_short_ascii_header_value() -> None:
+    value = key(json.dumps({"model": "m", "messages": MESSAGES}))
+    assert len(value) == 32 and all(c in "0123456789abcdef" for c in value)
