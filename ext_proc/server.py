@@ -21,7 +21,8 @@ from ext_proc.router import RequestRouter
 from ext_proc.servicer import ExternalProcessor
 from prefix_router.config import RouterConfig, load_config_file
 from prefix_router.fleet import Fleet, Instance
-from prefix_router.loads import InMemoryLoadStore
+from prefix_router.loads import InMemoryLoadStore, LoadStore
+from prefix_router.loads.redis_store import RedisLoadStore
 from prefix_router.logs import setup_logging
 from prefix_router.routing import RoutingTable
 
@@ -66,12 +67,23 @@ async def serve(
         log.info("ext_proc stopped")
 
 
+async def _load_store(redis_url: str | None, namespace: str, config: RouterConfig) -> LoadStore:
+    """Fleet-wide counts in Redis when given one, else this process's own counts."""
+    if redis_url is None:
+        return InMemoryLoadStore()
+    return await RedisLoadStore.connect(
+        redis_url, namespace=namespace, timeout_s=config.redis_timeout_ms / 1000
+    )
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefix-router ext-proc", description=__doc__)
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--backend", action="append", default=[], help="host:port (static fleet)")
     p.add_argument("--config", help="YAML file with the routing config")
+    p.add_argument("--redis-url", help="share in-flight counts (and follow the fleet) in Redis")
+    p.add_argument("--namespace", default="prefix-router:", help="Redis key prefix")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -81,14 +93,18 @@ def main(argv: Sequence[str] | None = None) -> int:
     setup_logging("ext_proc", args.log_level)
     config = load_config_file(args.config) if args.config else RouterConfig()
     fleet = Fleet.of([Instance.from_url(b) for b in args.backend])
-    router = RequestRouter(RoutingTable.build(fleet, config), InMemoryLoadStore())
 
     async def run() -> None:
         stop = asyncio.Event()
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        await serve(router, host=args.host, port=args.port, stop=stop)
+        store = await _load_store(args.redis_url, args.namespace, config)
+        router = RequestRouter(RoutingTable.build(fleet, config), store)
+        try:
+            await serve(router, host=args.host, port=args.port, stop=stop)
+        finally:
+            await store.close()
 
     asyncio.run(run())
     return 0

@@ -1,0 +1,275 @@
+"""Fleet-wide in-flight counts in Redis, shared by every ext_proc replica.
+
+Layout (``ns`` is the namespace, e.g. ``prefix-router:``):
+
+``{ns}inflight``            hash  instance id -> fleet-wide in-flight count
+``{ns}inflight:{replica}``  hash  instance id -> this replica's share of it
+``{ns}replicas``            set   replicas that may hold counts
+``{ns}alive:{replica}``     key   heartbeat, expires ``HEARTBEAT_TTL_S`` after the last beat
+
+Reserve is one Lua call (one round trip): it reads the candidates' counts,
+applies the spill rule (the same rule as :func:`prefix_router.spill.choose`)
+and increments the chosen instance in both hashes, atomically, so no two
+replicas can both see an instance below the threshold and both push it over.
+
+Releases are queued and flushed by one background task, many per round trip
+under load. Counts heal themselves: a replica that dies stops beating, and any
+replica's janitor (or the control plane's) subtracts the dead replica's share
+from the fleet-wide counts within a few seconds. A reserve that timed out may
+or may not have been applied; the replica then rewrites its share from its own
+exact local counts at the next quiet moment.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import Counter
+from collections.abc import Sequence
+from typing import Any
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from prefix_router.loads.base import LoadsUnavailable, Reservation
+from prefix_router.spill import SpillRule
+
+log = logging.getLogger("prefix_router.loads")
+
+HEARTBEAT_S = 1.0
+HEARTBEAT_TTL_S = 3.0
+
+# KEYS: fleet hash, replica hash. ARGV: policy, threshold, load_factor, fleet_size, ids...
+_RESERVE = """
+local policy = ARGV[1]
+local limit = tonumber(ARGV[2])
+local n = #ARGV - 4
+local raw = redis.call('HMGET', KEYS[1], unpack(ARGV, 5))
+local loads = {}
+for i = 1, n do loads[i] = math.max(0, tonumber(raw[i]) or 0) end
+local chosen = 1
+if policy ~= 'none' then
+  if policy == 'relative-load' then
+    local total = 0
+    for _, v in ipairs(redis.call('HVALS', KEYS[1])) do total = total + math.max(0, tonumber(v)) end
+    local size = math.max(1, tonumber(ARGV[4]))
+    limit = math.max(1, math.ceil(tonumber(ARGV[3]) * (total + 1) / size))
+  end
+  chosen = nil
+  for i = 1, n do
+    if loads[i] < limit then chosen = i; break end
+  end
+  if chosen == nil then
+    chosen = 1
+    for i = 2, n do
+      if loads[i] < loads[chosen] then chosen = i end
+    end
+  end
+end
+redis.call('HINCRBY', KEYS[1], ARGV[4 + chosen], 1)
+redis.call('HINCRBY', KEYS[2], ARGV[4 + chosen], 1)
+loads[n + 1] = chosen - 1
+return loads
+"""
+
+# KEYS: fleet hash, replica hash. ARGV: ids to release (repeats allowed).
+_RELEASE = """
+for i = 1, #ARGV do
+  local id = ARGV[i]
+  if redis.call('HINCRBY', KEYS[2], id, -1) >= 0 then
+    if redis.call('HINCRBY', KEYS[1], id, -1) <= 0 then redis.call('HDEL', KEYS[1], id) end
+  else
+    redis.call('HDEL', KEYS[2], id)
+  end
+end
+return 1
+"""
+
+# KEYS: fleet hash, replica hash. ARGV: id, count, id, count, ... (this replica's exact counts)
+_REWRITE_SHARE = """
+local old = redis.call('HGETALL', KEYS[2])
+for i = 1, #old, 2 do
+  if redis.call('HINCRBY', KEYS[1], old[i], -tonumber(old[i + 1])) <= 0 then
+    redis.call('HDEL', KEYS[1], old[i])
+  end
+end
+redis.call('DEL', KEYS[2])
+for i = 1, #ARGV, 2 do
+  local c = tonumber(ARGV[i + 1])
+  if c > 0 then
+    redis.call('HINCRBY', KEYS[1], ARGV[i], c)
+    redis.call('HSET', KEYS[2], ARGV[i], c)
+  end
+end
+return 1
+"""
+
+# KEYS: fleet hash, replicas set. ARGV: namespace. Removes the shares of replicas without heartbeat.
+_REAP = """
+local reaped = 0
+for _, replica in ipairs(redis.call('SMEMBERS', KEYS[2])) do
+  if redis.call('EXISTS', ARGV[1] .. 'alive:' .. replica) == 0 then
+    local share = ARGV[1] .. 'inflight:' .. replica
+    local old = redis.call('HGETALL', share)
+    for i = 1, #old, 2 do
+      if redis.call('HINCRBY', KEYS[1], old[i], -tonumber(old[i + 1])) <= 0 then
+        redis.call('HDEL', KEYS[1], old[i])
+      end
+    end
+    redis.call('DEL', share)
+    redis.call('SREM', KEYS[2], replica)
+    reaped = reaped + 1
+  end
+end
+return reaped
+"""
+
+
+class RedisLoadStore:
+    """Shared in-flight counts; one replica's view of them.
+
+    Create with :meth:`connect`, which registers the replica and starts its
+    heartbeat, janitor and release flusher; :meth:`close` gives back every
+    count this replica still holds.
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        namespace: str = "prefix-router:",
+        replica: str | None = None,
+    ) -> None:
+        self.redis = client
+        self.namespace = namespace
+        self.replica = replica or uuid.uuid4().hex[:12]
+        self.fleet_key = f"{namespace}inflight"
+        self.share_key = f"{namespace}inflight:{self.replica}"
+        self.replicas_key = f"{namespace}replicas"
+        self.alive_key = f"{namespace}alive:{self.replica}"
+        self._reserve = client.register_script(_RESERVE)
+        self._release = client.register_script(_RELEASE)
+        self._rewrite = client.register_script(_REWRITE_SHARE)
+        self._reap = client.register_script(_REAP)
+        self._local: Counter[str] = Counter()
+        """This replica's exact counts: what its share in Redis should be."""
+        self._pending: list[str] = []
+        self._wake = asyncio.Event()
+        self._in_doubt = False
+        self._reserving = 0
+        self._tasks: list[asyncio.Task[None]] = []
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        namespace: str = "prefix-router:",
+        timeout_s: float = 0.05,
+        replica: str | None = None,
+    ) -> RedisLoadStore:
+        """A store on ``url``; works (degraded) even if Redis is down right now."""
+        client = aioredis.Redis.from_url(
+            url,
+            socket_timeout=max(timeout_s, 0.5),
+            socket_connect_timeout=max(timeout_s, 0.2),
+            max_connections=256,
+            health_check_interval=0,
+        )
+        store = cls(client, namespace=namespace, replica=replica)
+        store.start()
+        return store
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._flush_releases(), name="loads-release-flusher"),
+            asyncio.create_task(self._heartbeat(), name="loads-heartbeat"),
+        ]
+
+    async def reserve(
+        self, candidates: Sequence[str], rule: SpillRule, fleet_size: int
+    ) -> Reservation:
+        self._reserving += 1
+        try:
+            result: list[Any] = await self._reserve(
+                keys=[self.fleet_key, self.share_key],
+                args=[rule.policy.value, rule.threshold, rule.load_factor, fleet_size, *candidates],
+            )
+        except asyncio.CancelledError:
+            self._in_doubt = True  # timed out: Redis may or may not have counted it
+            raise
+        except RedisError as exc:
+            self._in_doubt = True
+            raise LoadsUnavailable(str(exc)) from exc
+        finally:
+            self._reserving -= 1
+        index = int(result[-1])
+        self._local[candidates[index]] += 1
+        return Reservation(index=index, loads=tuple(int(x) for x in result[:-1]))
+
+    def release(self, instance_id: str) -> None:
+        if self._local[instance_id] > 0:
+            self._local[instance_id] -= 1
+            self._pending.append(instance_id)
+            self._wake.set()
+
+    async def in_flight(self) -> dict[str, int]:
+        raw = await self.redis.hgetall(self.fleet_key)
+        return {k.decode(): max(0, int(v)) for k, v in raw.items() if int(v) > 0}
+
+    async def _flush_releases(self) -> None:
+        while True:
+            await self._wake.wait()
+            self._wake.clear()
+            batch, self._pending = self._pending, []
+            if not batch:
+                continue
+            try:
+                await self._release(keys=[self.fleet_key, self.share_key], args=batch)
+            except RedisError as exc:
+                # The local counts are already right; the share is rewritten from them later.
+                self._in_doubt = True
+                log.debug("release flush failed: %r", exc)
+
+    async def _heartbeat(self) -> None:
+        while True:
+            try:
+                await self.beat()
+            except RedisError as exc:
+                log.debug("heartbeat failed: %r", exc)
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def beat(self) -> None:
+        """Refresh this replica's heartbeat, reap dead replicas, repair a doubtful share."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.alive_key, b"1", px=int(HEARTBEAT_TTL_S * 1000))
+            pipe.sadd(self.replicas_key, self.replica)
+            await pipe.execute()
+        await self._reap(keys=[self.fleet_key, self.replicas_key], args=[self.namespace])
+        if self._in_doubt and not self._reserving and not self._pending:
+            self._in_doubt = False
+            await self._rewrite_share()
+
+    async def _rewrite_share(self) -> None:
+        args: list[str | int] = []
+        for instance_id, count in self._local.items():
+            if count > 0:
+                args += [instance_id, count]
+        await self._rewrite(keys=[self.fleet_key, self.share_key], args=args)
+
+    async def close(self) -> None:
+        """Stop the background tasks and give back every count this replica holds."""
+        for task in self._tasks:
+            task.cancel()
+        for task in self._tasks:
+            with contextlib.suppress(asyncio.CancelledError):
+                await task
+        self._local.clear()
+        self._pending.clear()
+        with contextlib.suppress(RedisError, OSError):
+            await self._rewrite(keys=[self.fleet_key, self.share_key], args=[])
+            await self.redis.srem(self.replicas_key, self.replica)
+            await self.redis.delete(self.alive_key)
+        await self.redis.aclose()

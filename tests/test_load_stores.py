@@ -1,0 +1,142 @@
+"""One contract, two stores: in-process counts and Redis-shared counts (real Redis)."""
+
+from __future__ import annotations
+
+import asyncio
+import uuid
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import redis.asyncio as aioredis
+
+from prefix_router.config import SpillPolicyName
+from prefix_router.loads import InMemoryLoadStore, LoadStore
+from prefix_router.loads.redis_store import RedisLoadStore
+from prefix_router.spill import SpillRule, choose
+from tests.conftest import REDIS_URL
+
+BOUNDED = SpillRule(SpillPolicyName.BOUNDED_LOAD, threshold=2)
+RELATIVE = SpillRule(SpillPolicyName.RELATIVE_LOAD, threshold=2, load_factor=1.5)
+NONE = SpillRule(SpillPolicyName.NONE, threshold=2)
+IDS = ["a", "b", "c"]
+
+
+@pytest.fixture
+async def namespace() -> AsyncIterator[str]:
+    ns = f"test-{uuid.uuid4().hex[:8]}:"
+    yield ns
+    client = aioredis.Redis.from_url(REDIS_URL)
+    keys = [k async for k in client.scan_iter(match=f"{ns}*")]
+    if keys:
+        await client.delete(*keys)
+    await client.aclose()
+
+
+StoreFactory = Callable[[], Awaitable[LoadStore]]
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def make_store(request: pytest.FixtureRequest, namespace: str) -> AsyncIterator[StoreFactory]:
+    made: list[LoadStore] = []
+
+    async def factory() -> LoadStore:
+        store: LoadStore
+        if request.param == "memory":
+            store = InMemoryLoadStore()
+        else:
+            store = await RedisLoadStore.connect(REDIS_URL, namespace=namespace)
+        made.append(store)
+        return store
+
+    yield factory
+    for store in made:
+        await store.close()
+
+
+async def settle(store: LoadStore) -> None:
+    """Let a store's background release flusher run."""
+    for _ in range(50):
+        await asyncio.sleep(0.01)
+        if isinstance(store, RedisLoadStore) and not store._pending:
+            await asyncio.sleep(0.01)
+            return
+
+
+async def test_bounded_load_fills_home_then_walks_the_ring(make_store: StoreFactory) -> None:
+    store = await make_store()
+    chosen = [(await store.reserve(IDS, BOUNDED, 3)).index for _ in range(7)]
+    assert chosen == [0, 0, 1, 1, 2, 2, 0]
+    assert await store.in_flight() == {"a": 3, "b": 2, "c": 2}
+
+
+async def test_spill_disabled_always_goes_home(make_store: StoreFactory) -> None:
+    store = await make_store()
+    assert {(await store.reserve(IDS, NONE, 3)).index for _ in range(5)} == {0}
+
+
+async def test_relative_load_matches_the_pure_rule(make_store: StoreFactory) -> None:
+    store = await make_store()
+    loads = {i: 0 for i in IDS}
+    for _ in range(12):
+        expected = choose(
+            [loads[i] for i in IDS], RELATIVE, fleet_total=sum(loads.values()), fleet_size=3
+        )
+        got = await store.reserve(IDS, RELATIVE, 3)
+        assert got.index == expected
+        assert list(got.loads) == [loads[i] for i in IDS]
+        loads[IDS[got.index]] += 1
+
+
+async def test_releases_bring_every_count_back_to_zero(make_store: StoreFactory) -> None:
+    store = await make_store()
+    taken = [IDS[(await store.reserve(IDS, BOUNDED, 3)).index] for _ in range(6)]
+    for instance_id in taken:
+        store.release(instance_id)
+    store.release("a")  # one release too many changes nothing
+    await settle(store)
+    assert await store.in_flight() == {}
+
+
+async def test_two_replicas_share_counts(namespace: str) -> None:
+    one = await RedisLoadStore.connect(REDIS_URL, namespace=namespace)
+    two = await RedisLoadStore.connect(REDIS_URL, namespace=namespace)
+    try:
+        results = await asyncio.gather(*(s.reserve(IDS, BOUNDED, 3) for s in [one, two] * 3))
+        assert sorted(r.index for r in results) == [0, 0, 1, 1, 2, 2]
+        assert await one.in_flight() == {"a": 2, "b": 2, "c": 2}
+    finally:
+        await one.close()
+        await two.close()
+    client = aioredis.Redis.from_url(REDIS_URL)
+    assert await client.hgetall(f"{namespace}inflight") == {}
+    await client.aclose()
+
+
+async def test_a_dead_replicas_counts_disappear(namespace: str) -> None:
+    dead = await RedisLoadStore.connect(REDIS_URL, namespace=namespace)
+    for _ in range(3):
+        await dead.reserve(IDS, BOUNDED, 3)
+    for task in dead._tasks:  # dies: no more heartbeats, no goodbye
+        task.cancel()
+    await dead.redis.delete(dead.alive_key)  # as if its heartbeat TTL ran out
+    survivor = await RedisLoadStore.connect(REDIS_URL, namespace=namespace)
+    try:
+        await survivor.beat()
+        assert await survivor.in_flight() == {}
+    finally:
+        await survivor.close()
+        await dead.redis.aclose()
+
+
+async def test_redis_down_raises_loads_unavailable_quickly() -> None:
+    store = await RedisLoadStore.connect("redis://127.0.0.1:1/0", namespace="nowhere:")
+    try:
+        loop = asyncio.get_running_loop()
+        started = loop.time()
+        with pytest.raises(Exception) as caught:
+            async with asyncio.timeout(0.5):
+                await store.reserve(IDS, BOUNDED, 3)
+        assert loop.time() - started < 0.5
+        assert caught.type.__name__ in ("LoadsUnavailable", "TimeoutError")
+    finally:
+        await store.close()
