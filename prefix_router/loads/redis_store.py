@@ -217,7 +217,7 @@ class RedisLoadStore:
 
     async def in_flight(self) -> dict[str, int]:
         raw = await self.redis.hgetall(self.fleet_key)
-        return {k.decode(): max(0, int(v)) for k, v in raw.items() if int(v) > 0}
+        return {_text(k): int(v) for k, v in raw.items() if int(v) > 0}
 
     async def _flush_releases(self) -> None:
         while True:
@@ -273,3 +273,7 @@ class RedisLoadStore:
             await self.redis.srem(self.replicas_key, self.replica)
             await self.redis.delete(self.alive_key)
         await self.redis.aclose()
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
