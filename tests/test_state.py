@@ -1,0 +1,158 @@
+"""The shared state in real Redis: atomic versioned writes, audit, namespaces, watching."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator, Callable
+
+import pytest
+
+from prefix_router.config import RouterConfig
+from prefix_router.errors import FleetError
+from prefix_router.fleet import Fleet, Instance
+from prefix_router.state import FleetRecord, StateStore, watch_state
+from tests.conftest import REDIS_URL
+from tests.support.redis_ns import fresh_store
+
+A = Instance("127.0.0.1", 9001)
+B = Instance("127.0.0.1", 9002, weight=2)
+
+
+@pytest.fixture
+async def store() -> AsyncIterator[StateStore]:
+    async with fresh_store() as st:
+        yield st
+
+
+def add(instance: Instance) -> Callable[[FleetRecord], FleetRecord]:
+    def change(record: FleetRecord) -> FleetRecord:
+        return FleetRecord(Fleet.of([*record.fleet.instances, instance]), record.removing)
+
+    return change
+
+
+async def test_empty_namespace_reads_version_zero_defaults(store: StateStore) -> None:
+    state = await store.read()
+    assert state.versions == (0, 0)
+    assert state.fleet.fleet.instances == ()
+    assert state.config.config == RouterConfig()
+
+
+async def test_seed_writes_only_an_empty_namespace(store: StateStore) -> None:
+    await store.seed(Fleet.of([A]), RouterConfig(prefix_length=64))
+    state = await store.seed(Fleet.of([B]), RouterConfig(prefix_length=8))
+    assert [i.id for i in state.fleet.fleet.instances] == [A.id]
+    assert state.config.config.prefix_length == 64
+    assert state.versions == (1, 1)
+
+
+async def test_each_change_bumps_the_version_and_writes_its_audit_entry(
+    store: StateStore,
+) -> None:
+    before, after = await store.update_fleet(
+        add(A), audit=lambda b, a: {"action": "add", "after": a.fleet.version}
+    )
+    assert (before.fleet.version, after.fleet.version) == (0, 1)
+    _, after = await store.update_fleet(add(B))
+    assert after.fleet.version == 2
+    assert [i.id for i in (await store.read()).fleet.fleet.instances] == [A.id, B.id]
+    [entry] = await store.audit_log()
+    assert entry["action"] == "add" and entry["after"] == 1 and entry["time"] > 0
+
+
+async def test_a_failing_or_empty_change_writes_nothing(store: StateStore) -> None:
+    await store.update_fleet(add(A))
+
+    def boom(record: FleetRecord) -> FleetRecord:
+        raise FleetError("no")
+
+    with pytest.raises(FleetError):
+        await store.update_fleet(boom, audit=lambda b, a: {"action": "boom"})
+    before, after = await store.update_fleet(lambda r: r, audit=lambda b, a: {"action": "noop"})
+    assert after is before
+    assert (await store.read()).fleet.fleet.version == 1
+    assert await store.audit_log() == []
+
+
+async def test_concurrent_writers_lose_no_change(store: StateStore) -> None:
+    others = [StateStore.from_url(REDIS_URL, store.keys.namespace) for _ in range(4)]
+    try:
+        await asyncio.gather(
+            *(
+                s.update_fleet(add(Instance("127.0.0.1", 10000 + i)))
+                for i, s in enumerate(others * 3)
+            )
+        )
+    finally:
+        for s in others:
+            await s.close()
+    record = (await store.read()).fleet
+    assert len(record.fleet.instances) == 12
+    assert record.fleet.version == 12
+
+
+async def test_namespaces_do_not_see_each_other(store: StateStore) -> None:
+    await store.update_fleet(add(A))
+    other = StateStore(store.redis, "test-other-" + store.keys.namespace)
+    assert (await other.read()).versions == (0, 0)
+
+
+async def test_watch_state_sees_a_change_within_a_second(store: StateStore) -> None:
+    seen: list[tuple[int, int, float]] = []
+    stop = asyncio.Event()
+
+    def on_change(fleet: Fleet, config: RouterConfig, version: int) -> None:
+        seen.append((fleet.version, version, time.monotonic()))
+
+    # A long re-read interval: only pub/sub can make it within a second.
+    task = asyncio.create_task(
+        watch_state(REDIS_URL, store.keys.namespace, on_change, interval=30.0, stop=stop)
+    )
+    try:
+        while not seen:
+            await asyncio.sleep(0.01)
+        assert seen[0][:2] == (0, 0)
+        started = time.monotonic()
+        await store.update_config(lambda c: c.patched({"prefix_length": 99}))
+        while len(seen) < 2 and time.monotonic() - started < 2:
+            await asyncio.sleep(0.005)
+        assert seen[-1][:2] == (0, 1)
+        assert seen[-1][2] - started < 1.0
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+
+async def test_watch_state_heals_a_missed_message_by_re_reading(store: StateStore) -> None:
+    seen: list[int] = []
+    stop = asyncio.Event()
+    task = asyncio.create_task(
+        watch_state(
+            REDIS_URL,
+            store.keys.namespace,
+            lambda f, c, v: seen.append(f.version),
+            interval=0.3,
+            stop=stop,
+        )
+    )
+    try:
+        while not seen:
+            await asyncio.sleep(0.01)
+        # Write behind the watcher's back: no publish.
+        await store.redis.set(store.keys.fleet, FleetRecord(Fleet.of([A], version=7)).to_json())
+        deadline = time.monotonic() + 2
+        while seen[-1] != 7 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert seen[-1] == 7
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
+
+
+async def test_delete_namespace_removes_every_key(store: StateStore) -> None:
+    await store.update_fleet(add(A), audit=lambda b, a: {"action": "add"})
+    await store.redis.hset(store.keys.inflight, A.id, 3)
+    assert await store.in_flight() == {A.id: 3}
+    assert await store.delete_namespace() == 3
+    assert await store.redis.exists(store.keys.fleet, store.keys.audit, store.keys.inflight) == 0
