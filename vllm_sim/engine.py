@@ -6,10 +6,12 @@ the consumers of the sequences that got a token. It never spins and does bookkee
 so many engines share one process and one event loop.
 
 Simulated clock. Latencies are reported in simulated seconds, independent of ``time_scale``
-and of Python's overhead: while a step runs, simulated time advances from the step's start
-at ``time_scale`` times wall speed but never past the step's end; a step always ends exactly
-``step`` seconds after it began. While idle, simulated time runs at ``time_scale`` times wall
-speed. So a request's TTFT is queueing plus the steps that prefill it, whatever the host.
+and of Python's overhead: simulated time advances only while a step runs, from the step's
+start at ``time_scale`` times wall speed but never past its end, and a step always ends
+exactly ``step`` seconds after it began. Between steps and while idle it stands still, so a
+request that finds the engine idle starts its first step at its own arrival time, and one
+that arrives mid-step waits for the rest of that step. TTFT is therefore queueing plus the
+steps that prefill it, whatever the host's speed or the time scale.
 """
 
 from __future__ import annotations
@@ -17,7 +19,6 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import itertools
-import math
 import time
 import zlib
 from array import array
@@ -107,7 +108,7 @@ class Engine:
         self._wall = wall_clock
         self._sim_anchor = 0.0
         self._wall_anchor = wall_clock()
-        self._sim_cap = math.inf
+        self._sim_cap = 0.0
         self._handles: dict[str, RequestHandle] = {}
         self._ids = itertools.count()
         self._wake = asyncio.Event()
@@ -120,7 +121,7 @@ class Engine:
     # -- clock ----------------------------------------------------------------------------
 
     def now(self) -> float:
-        """Simulated seconds since the engine was created (see module docstring)."""
+        """Simulated seconds of work since the engine was created (see module docstring)."""
         elapsed = (self._wall() - self._wall_anchor) * self.config.time_scale
         return self._sim_anchor + min(elapsed, self._sim_cap)
 
@@ -228,7 +229,7 @@ class Engine:
             wall_end = self._wall_anchor + duration / scale
             await asyncio.sleep(max(0.0, wall_end - self._wall()))
             end = start + duration
-            self._anchor(end, math.inf)
+            self._anchor(end, 0.0)
             outcome = scheduler.complete(plan, end)
             self.steps += 1
             handles = self._handles
