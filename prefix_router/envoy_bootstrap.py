@@ -84,8 +84,11 @@ def _static_cluster(
     return cluster
 
 
-def route_action(config: RouterConfig) -> dict[str, Any]:
-    """The data-plane route: hash on x-prefix-key, never time out a long generation."""
+def model_route(config: RouterConfig, *, ext_proc: bool = True) -> dict[str, Any]:
+    """The data-plane route: hash on x-prefix-key, never time out a long generation.
+
+    Without ext_proc processes (a baseline for benchmarks) the route turns the filter off.
+    """
     route: dict[str, Any] = {
         "cluster": MODEL_CLUSTER,
         "timeout": "0s",
@@ -100,7 +103,16 @@ def route_action(config: RouterConfig) -> dict[str, Any]:
         if retry.per_try_timeout_ms:
             policy["per_try_timeout"] = f"{retry.per_try_timeout_ms / 1000:.3f}s"
         route["retry_policy"] = policy
-    return route
+    entry: dict[str, Any] = {"match": {"prefix": "/"}, "route": route}
+    if not ext_proc:
+        per_route = "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+        entry["typed_per_filter_config"] = {
+            "envoy.filters.http.ext_proc": {
+                "@type": f"type.googleapis.com/{per_route}",
+                "disabled": True,
+            }
+        }
+    return entry
 
 
 def render_bootstrap(
@@ -138,7 +150,7 @@ def render_bootstrap(
         max_body_bytes=params.max_body_bytes,
         max_body_bytes_plus_one=params.max_body_bytes + 1,
         ext_proc_timeout=f"{params.ext_proc_timeout_ms / 1000:.3f}s",
-        route_json=json.dumps(route_action(config)),
+        route_json=json.dumps(model_route(config, ext_proc=bool(params.ext_proc))),
         static_clusters_json=json.dumps(clusters),
         dynamic_resources=dynamic,
     )

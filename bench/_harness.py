@@ -1,0 +1,65 @@
+"""Shared helpers for the benchmark scripts: a static stack on loopback and wrk."""
+
+from __future__ import annotations
+
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
+
+
+def require_wrk() -> str:
+    wrk = shutil.which("wrk")
+    if wrk is None:
+        sys.exit("this benchmark drives load with wrk: apt-get install wrk")
+    return wrk
+
+
+def chat_body(size: int) -> bytes:
+    """An OpenAI chat body of about ``size`` bytes."""
+    filler = "lorem ipsum dolor sit amet " * (size // 27 + 1)
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": filler[: max(0, size - 120)]},
+            {"role": "user", "content": "hello"},
+        ],
+        "max_tokens": 16,
+    }
+    return json.dumps(body).encode()
+
+
+def run_wrk(url: str, body: bytes, *, connections: int, threads: int, seconds: int) -> dict[str, float]:
+    """p50/p99 latency (ms) and requests/s of ``POST url`` with ``body``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        body_file = Path(tmp) / "body.json"
+        body_file.write_bytes(body)
+        script = Path(tmp) / "post.lua"
+        script.write_text(
+            'wrk.method = "POST"\n'
+            'wrk.headers["Content-Type"] = "application/json"\n'
+            f'local f = io.open("{body_file}", "rb")\nwrk.body = f:read("*a")\nf:close()\n'
+        )
+        out = subprocess.run(
+            [
+                require_wrk(), "-t", str(threads), "-c", str(connections), "-d", f"{seconds}s",
+                "--latency", "-s", str(script), url,
+            ],
+            capture_output=True, text=True, check=True, timeout=seconds + 30,
+        ).stdout
+    result = {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))}  # type: ignore[union-attr]
+    for pct in ("50", "99"):
+        m = re.search(rf"^\s+{pct}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
+        result[f"p{pct}"] = float(m.group(1)) * _UNITS[m.group(2)] if m else float("nan")
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    result["errors"] = float(errors.group(1)) if errors else 0.0
+    return result

@@ -1,0 +1,97 @@
+"""What ext_proc adds to a request: Envoy -> backend directly vs through ext_proc.
+
+Starts, on 127.0.0.1: three echo backends, P ext_proc processes, and two Envoys
+over the same static fleet, one routing through ext_proc and one with the
+filter turned off. For 1 KB and 64 KB OpenAI chat bodies it measures, with
+wrk, latency p50/p99 at concurrency 1 and requests/s at concurrency 16, and
+prints a markdown table (also written to bench/results/data_plane_latency.md).
+
+    python bench/data_plane_latency.py [--ext-procs 1] [--seconds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from pathlib import Path
+
+from _harness import ROOT, chat_body, run_wrk
+
+from prefix_router.config import RouterConfig
+from prefix_router.envoy_bootstrap import BootstrapParams
+from prefix_router.fleet import Fleet, Instance
+from prefix_router.launch import start_envoy, start_ext_proc, start_module
+from prefix_router.procs import ManagedProcess, free_port
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ext-procs", type=int, default=1)
+    parser.add_argument("--seconds", type=int, default=8)
+    parser.add_argument("--envoy-concurrency", type=int, default=2)
+    parser.add_argument("--redis-url", help="share counts through Redis (full decision path)")
+    args = parser.parse_args()
+
+    started: list[ManagedProcess] = []
+    logs = Path(tempfile.mkdtemp(prefix="bench-dp-"))
+    try:
+        ports = [free_port() for _ in range(3)]
+        started.append(
+            start_module("backends", "tests.support.echo_backend", [str(p) for p in ports], logs,
+                         ready_ports=ports)
+        )
+        fleet = Fleet.of([Instance("127.0.0.1", p) for p in ports])
+        config = RouterConfig()
+        ep_ports = [free_port() for _ in range(args.ext_procs)]
+        ep_args = [a for p in ports for a in ("--backend", f"127.0.0.1:{p}")]
+        if args.redis_url:
+            ep_args += ["--redis-url", args.redis_url, "--namespace", "bench-dp:"]
+        for port in ep_ports:
+            started.append(start_ext_proc(port, logs, args=ep_args))
+        urls = {}
+        for name, eps in (("direct", ()), ("ext_proc", tuple(("127.0.0.1", p) for p in ep_ports))):
+            params = BootstrapParams(listen_port=free_port(), admin_port=free_port(), ext_proc=eps)
+            started.append(
+                start_envoy(params, config, logs, fleet=fleet, name=f"envoy-{name}",
+                            concurrency=args.envoy_concurrency)
+            )
+            urls[name] = f"http://127.0.0.1:{params.listen_port}/v1/chat/completions"
+
+        rows = []
+        for size in (1024, 64 * 1024):
+            body = chat_body(size)
+            r = {name: run_wrk(url, body, connections=1, threads=1, seconds=args.seconds)
+                 for name, url in urls.items()}
+            t = {name: run_wrk(url, body, connections=16, threads=2, seconds=args.seconds)
+                 for name, url in urls.items()}
+            rows.append(
+                f"| {size // 1024} KB | {r['direct']['p50']:.2f} | {r['ext_proc']['p50']:.2f} | "
+                f"**{r['ext_proc']['p50'] - r['direct']['p50']:+.2f}** | "
+                f"{r['direct']['p99']:.2f} | {r['ext_proc']['p99']:.2f} | "
+                f"**{r['ext_proc']['p99'] - r['direct']['p99']:+.2f}** | "
+                f"{t['direct']['rps']:.0f} | **{t['ext_proc']['rps']:.0f}** | "
+                f"{int(sum(x['errors'] for x in (*r.values(), *t.values())))} |"
+            )
+        table = "\n".join(
+            [
+                f"ext_proc processes: {args.ext_procs}; Envoy workers: {args.envoy_concurrency}; "
+                f"load store: {'Redis' if args.redis_url else 'in-process'}",
+                "",
+                "| body | p50 direct ms | p50 via ext_proc ms | added p50 ms | p99 direct ms "
+                "| p99 via ext_proc ms | added p99 ms | req/s direct (c16) | req/s via ext_proc (c16) "
+                "| non-2xx |",
+                "|---|---|---|---|---|---|---|---|---|---|",
+                *rows,
+            ]
+        )
+        print(table)
+        out = ROOT / "bench" / "results" / "data_plane_latency.md"
+        with out.open("a") as f:
+            f.write(table + "\n\n")
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+
+
+if __name__ == "__main__":
+    main()
