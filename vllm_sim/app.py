@@ -119,8 +119,10 @@ class _Routes:
         watcher = watch_disconnect(request.receive, lambda: instance.abort(handle))
         try:
             await handle.wait_done()
-        finally:
+        finally:  # also on cancellation: a request nobody waits for must not keep running
             watcher.cancel()
+            if not handle.done:
+                instance.abort(handle)
         if handle.aborted:
             return _error("The request was aborted.", status=503,
                           err_type="ServiceUnavailableError")

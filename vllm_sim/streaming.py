@@ -93,5 +93,7 @@ class TokenStream(Response):
             self._abort()
         finally:
             watcher.cancel()
+            if not handle.done:
+                self._abort()
             with contextlib.suppress(asyncio.CancelledError):
                 await watcher
