@@ -19,6 +19,7 @@ from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
 from ext_proc.router import RequestRouter
 from ext_proc.servicer import ExternalProcessor
+from ext_proc.state_follower import follow_state
 from prefix_router.config import RouterConfig, load_config_file
 from prefix_router.fleet import Fleet, Instance
 from prefix_router.loads import InMemoryLoadStore, LoadStore
@@ -101,9 +102,16 @@ def main(argv: Sequence[str] | None = None) -> int:
             loop.add_signal_handler(sig, stop.set)
         store = await _load_store(args.redis_url, args.namespace, config)
         router = RequestRouter(RoutingTable.build(fleet, config), store)
+        follower = None
+        if args.redis_url and not args.backend:  # no static fleet: follow the control plane's
+            follower = asyncio.create_task(
+                follow_state(router, args.redis_url, args.namespace, stop=stop)
+            )
         try:
             await serve(router, host=args.host, port=args.port, stop=stop)
         finally:
+            if follower is not None:
+                await follower
             await store.close()
 
     asyncio.run(run())

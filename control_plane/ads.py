@@ -1,0 +1,170 @@
+"""State-of-the-world Aggregated Discovery Service (ADS) over one gRPC stream per Envoy.
+
+The server depends only on a :class:`~control_plane.cache.ConfigWatcher` and
+reports through :class:`~control_plane.callbacks.Callbacks`.
+
+Per stream and per type URL it remembers what it last sent (version, nonce,
+resource names). The protocol, as Envoy speaks it:
+
+* the first request of a type (no nonce) is answered at once with the current
+  snapshot, whatever ``version_info`` Envoy holds: after a control-plane
+  restart Envoy re-subscribes and gets the same state back (a resent
+  identical cluster is a no-op in Envoy);
+* a request whose nonce is not the last one sent for its type is stale and
+  ignored;
+* a request carrying the last nonce is an ACK (``error_detail`` unset) or a
+  NACK (set: Envoy rejected that version and keeps its previous config). A
+  NACKed version is not sent again; the next snapshot is;
+* when the snapshot changes, every subscribed type whose sent version differs
+  gets the new one, clusters before endpoints. A change of requested resource
+  names is answered even at the same version.
+
+Each stream is one task reading requests into a queue; the handler loop takes
+requests and "snapshot changed" events from that queue in order, so the
+per-stream state is touched by one coroutine only.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import itertools
+import logging
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+
+from control_plane.cache import ConfigWatcher
+from control_plane.callbacks import Callbacks
+from control_plane.snapshot import TYPE_ORDER, Snapshot
+
+log = logging.getLogger("prefix_router.control_plane.xds")
+
+_CHANGED = object()
+_END = object()
+
+
+@dataclass(slots=True)
+class _Subscription:
+    names: frozenset[str]
+    sent_version: str | None = None
+    sent_nonce: str | None = None
+    sent_names: frozenset[str] | None = None
+
+
+class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignore[misc]
+    def __init__(self, watcher: ConfigWatcher, callbacks: Callbacks | None = None) -> None:
+        self.watcher = watcher
+        self.callbacks = callbacks or Callbacks()
+        self._stream_ids = itertools.count(1)
+        self._nonces = itertools.count(1)
+
+    async def StreamAggregatedResources(  # noqa: N802 - the gRPC method name
+        self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], context: Any
+    ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        stream_id = next(self._stream_ids)
+        events: asyncio.Queue[object] = asyncio.Queue()
+        reader = asyncio.create_task(_read_requests(request_iterator, events))
+        node: base_pb2.Node | None = None
+        cancel_watch = None
+        subs: dict[str, _Subscription] = {}
+        try:
+            while True:
+                event = await events.get()
+                if event is _END:
+                    return
+                if event is _CHANGED:
+                    assert node is not None
+                    for type_url in TYPE_ORDER:
+                        if type_url in subs:
+                            response = self._respond(stream_id, node, type_url, subs[type_url])
+                            if response is not None:
+                                yield response
+                    continue
+                assert isinstance(event, discovery_pb2.DiscoveryRequest)
+                if node is None:
+                    if not event.HasField("node") or not event.node.id:
+                        log.warning("xDS stream %d: first request has no node id", stream_id)
+                        return
+                    node = base_pb2.Node()
+                    node.CopyFrom(event.node)
+                    self.callbacks.on_stream_open(stream_id, node)
+                    cancel_watch = self.watcher.subscribe(node, lambda: events.put_nowait(_CHANGED))
+                response = self._on_request(stream_id, node, event, subs)
+                if response is not None:
+                    yield response
+        finally:
+            reader.cancel()
+            if cancel_watch is not None:
+                cancel_watch()
+            self.callbacks.on_stream_closed(stream_id, node)
+
+    def _on_request(
+        self,
+        stream_id: int,
+        node: base_pb2.Node,
+        request: discovery_pb2.DiscoveryRequest,
+        subs: dict[str, _Subscription],
+    ) -> discovery_pb2.DiscoveryResponse | None:
+        type_url = request.type_url
+        if type_url not in TYPE_ORDER:
+            log.warning("node %s asked for unsupported type %s", node.id, type_url)
+            return None
+        names = frozenset(request.resource_names)
+        sub = subs.get(type_url)
+        if not request.response_nonce or sub is None:
+            subs[type_url] = sub = _Subscription(names=names)
+            return self._respond(stream_id, node, type_url, sub, force=True)
+        if request.response_nonce != sub.sent_nonce:
+            return None  # stale: answers a response that a newer one superseded
+        if request.HasField("error_detail"):
+            self.callbacks.on_nack(
+                stream_id, node, type_url, sub.sent_version or "", request.error_detail.message
+            )
+        else:
+            self.callbacks.on_ack(stream_id, node, type_url, request.version_info)
+        sub.names = names
+        return self._respond(stream_id, node, type_url, sub)
+
+    def _respond(
+        self,
+        stream_id: int,
+        node: base_pb2.Node,
+        type_url: str,
+        sub: _Subscription,
+        *,
+        force: bool = False,
+    ) -> discovery_pb2.DiscoveryResponse | None:
+        snapshot: Snapshot | None = self.watcher.fetch(node)
+        if snapshot is None:
+            return None
+        if not force and sub.sent_version == snapshot.version and sub.sent_names == sub.names:
+            return None
+        nonce = str(next(self._nonces))
+        response = discovery_pb2.DiscoveryResponse(
+            version_info=snapshot.version,
+            type_url=type_url,
+            nonce=nonce,
+            resources=snapshot.select(type_url, sub.names),
+        )
+        sub.sent_version = snapshot.version
+        sub.sent_nonce = nonce
+        sub.sent_names = sub.names
+        self.callbacks.on_response(stream_id, node, type_url, snapshot.version)
+        return response
+
+
+async def _read_requests(
+    requests: AsyncIterator[discovery_pb2.DiscoveryRequest], events: asyncio.Queue[object]
+) -> None:
+    try:
+        async for request in requests:
+            events.put_nowait(request)
+    except asyncio.CancelledError:
+        raise
+    except Exception as exc:  # a broken stream ends like a closed one
+        log.debug("xDS stream read failed: %r", exc)
+    finally:
+        events.put_nowait(_END)

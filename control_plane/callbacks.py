@@ -1,0 +1,120 @@
+"""Hooks on xDS streams, and the registry of connected Envoys built from them.
+
+The ADS server reports what happens through :class:`Callbacks` (every method
+a no-op by default) instead of logging and counting itself.
+:class:`ClientRegistry` is the callbacks the control plane installs: it
+remembers, per node id, its open streams and the version each type last
+ACKed or NACKed (the admin API's status), and logs every NACK with Envoy's
+error text, because a NACK means Envoy kept its last good config and the fleet
+is not running what the admin API says.
+"""
+
+from __future__ import annotations
+
+import logging
+import time
+from dataclasses import dataclass, field
+from typing import Any
+
+from envoy.config.core.v3 import base_pb2
+
+from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE
+
+log = logging.getLogger("prefix_router.control_plane.xds")
+
+SHORT_TYPE = {CLUSTER_TYPE: "cds", ENDPOINT_TYPE: "eds"}
+
+
+class Callbacks:
+    """Stream hooks; override what you need."""
+
+    def on_stream_open(self, stream_id: int, node: base_pb2.Node) -> None:
+        """A stream sent its first request (the one carrying the node)."""
+
+    def on_stream_closed(self, stream_id: int, node: base_pb2.Node | None) -> None:
+        """A stream ended, normally or not."""
+
+    def on_response(self, stream_id: int, node: base_pb2.Node, type_url: str, version: str) -> None:
+        """A response with ``version`` was sent."""
+
+    def on_ack(self, stream_id: int, node: base_pb2.Node, type_url: str, version: str) -> None:
+        """Envoy applied ``version``."""
+
+    def on_nack(
+        self, stream_id: int, node: base_pb2.Node, type_url: str, version: str, error: str
+    ) -> None:
+        """Envoy rejected ``version`` with ``error`` and kept its previous config."""
+
+
+@dataclass
+class ClientStatus:
+    node_id: str
+    cluster: str
+    streams: set[int] = field(default_factory=set)
+    acked: dict[str, str] = field(default_factory=dict)
+    nacked: dict[str, dict[str, Any]] = field(default_factory=dict)
+    sent: dict[str, str] = field(default_factory=dict)
+    last_seen: float = 0.0
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "node_id": self.node_id,
+            "cluster": self.cluster,
+            "connected": bool(self.streams),
+            "streams": len(self.streams),
+            "sent": dict(self.sent),
+            "acked": dict(self.acked),
+            "nacked": dict(self.nacked),
+            "last_seen": self.last_seen,
+        }
+
+
+class ClientRegistry(Callbacks):
+    """Connected Envoys and what each has ACKed, for status and for drain checks."""
+
+    def __init__(self) -> None:
+        self.clients: dict[str, ClientStatus] = {}
+
+    def _client(self, node: base_pb2.Node) -> ClientStatus:
+        client = self.clients.get(node.id)
+        if client is None:
+            client = self.clients[node.id] = ClientStatus(node.id, node.cluster)
+        client.last_seen = time.time()
+        return client
+
+    def on_stream_open(self, stream_id: int, node: base_pb2.Node) -> None:
+        self._client(node).streams.add(stream_id)
+        log.info("xDS stream %d opened by node %s", stream_id, node.id)
+
+    def on_stream_closed(self, stream_id: int, node: base_pb2.Node | None) -> None:
+        if node is not None and node.id in self.clients:
+            self.clients[node.id].streams.discard(stream_id)
+            log.info("xDS stream %d of node %s closed", stream_id, node.id)
+
+    def on_response(self, stream_id: int, node: base_pb2.Node, type_url: str, version: str) -> None:
+        self._client(node).sent[SHORT_TYPE.get(type_url, type_url)] = version
+
+    def on_ack(self, stream_id: int, node: base_pb2.Node, type_url: str, version: str) -> None:
+        client = self._client(node)
+        short = SHORT_TYPE.get(type_url, type_url)
+        client.acked[short] = version
+        client.nacked.pop(short, None)
+
+    def on_nack(
+        self, stream_id: int, node: base_pb2.Node, type_url: str, version: str, error: str
+    ) -> None:
+        short = SHORT_TYPE.get(type_url, type_url)
+        self._client(node).nacked[short] = {"version": version, "error": error, "time": time.time()}
+        log.error(
+            "node %s rejected %s version %s, keeping its last good config: %s",
+            node.id,
+            short,
+            version,
+            error,
+        )
+
+    def connected(self) -> list[ClientStatus]:
+        return [c for c in self.clients.values() if c.streams]
+
+    def to_json_list(self) -> list[dict[str, Any]]:
+        return [c.to_json_dict() for c in sorted(self.clients.values(), key=lambda c: c.node_id)]

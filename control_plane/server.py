@@ -1,0 +1,266 @@
+"""Control-plane process: xDS (ADS) on one port, the admin API on another, one event loop.
+
+``main(argv)`` is ``prefix-router control-plane``. Start-up:
+
+1. seed Redis from ``--fleet`` / ``--config`` where the namespace is empty
+   (Redis is the source of truth: a restart comes back with the live state);
+2. follow the shared state (pub/sub + periodic re-read) and publish one
+   checked snapshot per version to every Envoy over ADS;
+3. run the drainer and the health probe;
+4. serve the admin API (uvicorn) and gRPC health on the xDS port.
+
+The admin token comes from ``PREFIX_ROUTER_ADMIN_TOKEN`` or ``--token-file``;
+without one the process refuses to start unless the admin API is bound to a
+loopback address. SIGTERM/SIGINT stop everything gracefully.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import contextlib
+import ipaddress
+import logging
+import os
+import signal
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any
+
+import grpc
+import uvicorn
+import yaml
+from envoy.service.discovery.v3 import ads_pb2_grpc
+from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+
+from control_plane.admin import create_app
+from control_plane.ads import AdsServer
+from control_plane.cache import SnapshotCache
+from control_plane.callbacks import ClientRegistry
+from control_plane.drain import Drainer
+from control_plane.health import HealthProber
+from control_plane.publisher import Publisher
+from control_plane.service import AdminService
+from control_plane.snapshot import ClusterHook
+from prefix_router.config import RouterConfig, load_config_file, parse_config
+from prefix_router.errors import ConfigError, FleetError, StartupError
+from prefix_router.fleet import Fleet, Instance
+from prefix_router.logs import setup_logging
+from prefix_router.state import DEFAULT_NAMESPACE, StateStore, watch_state
+
+log = logging.getLogger("prefix_router.control_plane")
+
+TOKEN_ENV = "PREFIX_ROUTER_ADMIN_TOKEN"
+ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class Settings:
+    xds_host: str = "127.0.0.1"
+    xds_port: int
+    admin_host: str = "127.0.0.1"
+    admin_port: int
+    redis_url: str
+    namespace: str = DEFAULT_NAMESPACE
+    fleet: Fleet | None = None
+    config: RouterConfig | None = None
+    token: str | None = None
+    drain_grace_s: float = 2.0
+    drain_timeout_s: float = 300.0
+    watch_interval_s: float = 1.0
+    health_probe: bool = True
+    cluster_hook: ClusterHook | None = None
+
+
+def load_fleet_file(path: str) -> tuple[Fleet, RouterConfig | None]:
+    """``instances: [{address, port, weight, models, hash_key}]`` plus optional ``routing:``."""
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read fleet file {path}: {exc}") from None
+    if not isinstance(data, dict) or not isinstance(data.get("instances", []), list):
+        raise ConfigError(f"fleet file {path}: expected a mapping with an 'instances' list")
+    try:
+        instances = [
+            Instance(
+                address=str(d["address"]),
+                port=int(d["port"]),
+                weight=int(d.get("weight", 1)),
+                models=tuple(d.get("models") or ()),
+                hash_key=d.get("hash_key"),
+            )
+            for d in data.get("instances") or []
+        ]
+        fleet = Fleet.of(instances)
+    except (KeyError, TypeError, ValueError, FleetError) as exc:
+        raise ConfigError(f"fleet file {path}: bad instance: {exc}") from None
+    routing = data.get("routing")
+    return fleet, (parse_config(routing) if routing is not None else None)
+
+
+def resolve_token(token_file: str | None, admin_host: str) -> str | None:
+    token = os.environ.get(TOKEN_ENV) or None
+    if token_file:
+        try:
+            with open(token_file) as f:
+                token = f.read().strip() or None
+        except OSError as exc:
+            raise StartupError(f"cannot read --token-file {token_file}: {exc}") from None
+    if token is None and not _is_loopback(admin_host):
+        raise StartupError(
+            f"admin API on {admin_host} needs a token: set {TOKEN_ENV} or --token-file "
+            "(only a loopback address may run without one)"
+        )
+    return token
+
+
+def _is_loopback(host: str) -> bool:
+    if host == "localhost":
+        return True
+    try:
+        return ipaddress.ip_address(host).is_loopback
+    except ValueError:
+        return False
+
+
+class _EmbeddedUvicorn(uvicorn.Server):
+    """uvicorn without its own signal handling: this process owns SIGTERM/SIGINT."""
+
+    @contextlib.contextmanager
+    def capture_signals(self) -> Iterator[None]:
+        yield
+
+
+async def run(settings: Settings, stop: asyncio.Event) -> None:
+    store = StateStore.from_url(settings.redis_url, settings.namespace)
+    state = await store.seed(settings.fleet, settings.config or RouterConfig())
+    log.info("shared state: fleet v%d, config v%d", *state.versions)
+
+    cache = SnapshotCache()
+    clients = ClientRegistry()
+    publisher = Publisher(cache, cluster_hook=settings.cluster_hook)
+    service = AdminService(
+        store,
+        store,
+        clients=clients,
+        published_version=lambda: publisher.published.version if publisher.published else None,
+    )
+
+    grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(
+        AdsServer(cache, clients), grpc_server
+    )
+    health_servicer = health.aio.HealthServicer()
+    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, grpc_server)
+    if grpc_server.add_insecure_port(f"{settings.xds_host}:{settings.xds_port}") == 0:
+        raise StartupError(f"cannot bind xDS on {settings.xds_host}:{settings.xds_port}")
+
+    admin = _EmbeddedUvicorn(
+        uvicorn.Config(
+            create_app(service, token=settings.token),
+            host=settings.admin_host,
+            port=settings.admin_port,
+            log_level="warning",
+            log_config=None,
+            lifespan="off",
+        )
+    )
+    prober = HealthProber(store)
+    drainer = Drainer(
+        store, store, grace_s=settings.drain_grace_s, timeout_s=settings.drain_timeout_s
+    )
+    tasks: list[asyncio.Task[Any]] = [
+        asyncio.create_task(
+            watch_state(
+                settings.redis_url,
+                settings.namespace,
+                publisher.on_state,
+                interval=settings.watch_interval_s,
+                stop=stop,
+            ),
+            name="watch_state",
+        ),
+        asyncio.create_task(drainer.run(stop), name="drainer"),
+    ]
+    if settings.health_probe:
+        tasks.append(asyncio.create_task(prober.run(stop), name="health"))
+    await grpc_server.start()
+    for name in ("", ADS_SERVICE):
+        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
+    admin_task = asyncio.create_task(admin.serve(), name="admin")
+    log.info(
+        "control plane: xDS on %s:%d, admin API on %s:%d (%s)",
+        settings.xds_host,
+        settings.xds_port,
+        settings.admin_host,
+        settings.admin_port,
+        "token auth" if settings.token else "no auth: loopback only",
+    )
+    try:
+        stopped = asyncio.create_task(stop.wait())
+        done, _ = await asyncio.wait({stopped, admin_task}, return_when=asyncio.FIRST_COMPLETED)
+        if admin_task in done and not admin.started:
+            raise StartupError(
+                f"admin API could not start on {settings.admin_host}:{settings.admin_port}"
+            )
+    finally:
+        stop.set()
+        for name in ("", ADS_SERVICE):
+            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        admin.should_exit = True
+        await grpc_server.stop(grace=1.0)
+        await asyncio.gather(admin_task, *tasks, return_exceptions=True)
+        await prober.close()
+        await store.close()
+        log.info("control plane stopped")
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(prog="prefix-router control-plane", description=__doc__)
+    p.add_argument("--xds-host", default="127.0.0.1")
+    p.add_argument("--xds-port", type=int, default=18000)
+    p.add_argument("--admin-host", default="127.0.0.1")
+    p.add_argument("--admin-port", type=int, default=18001)
+    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="Redis key prefix")
+    p.add_argument("--fleet", help="YAML: instances: [...], optional routing: {...}")
+    p.add_argument("--config", help="YAML routing config (wins over the fleet file's)")
+    p.add_argument("--token-file", help=f"admin bearer token (else ${TOKEN_ENV})")
+    p.add_argument("--drain-grace", type=float, default=2.0, help="min seconds draining")
+    p.add_argument("--drain-timeout", type=float, default=300.0, help="max seconds draining")
+    p.add_argument("--no-health-probe", action="store_true", help="leave health to Envoy alone")
+    p.add_argument("--log-level", default="INFO")
+    return p
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    args = _parser().parse_args(argv)
+    setup_logging("control_plane", args.log_level)
+    fleet, config = load_fleet_file(args.fleet) if args.fleet else (None, None)
+    if args.config:
+        config = load_config_file(args.config)
+    settings = Settings(
+        xds_host=args.xds_host,
+        xds_port=args.xds_port,
+        admin_host=args.admin_host,
+        admin_port=args.admin_port,
+        redis_url=args.redis_url,
+        namespace=args.namespace,
+        fleet=fleet,
+        config=config,
+        token=resolve_token(args.token_file, args.admin_host),
+        drain_grace_s=args.drain_grace,
+        drain_timeout_s=args.drain_timeout,
+        health_probe=not args.no_health_probe,
+    )
+
+    async def main_async() -> None:
+        stop = asyncio.Event()
+        loop = asyncio.get_running_loop()
+        for sig in (signal.SIGINT, signal.SIGTERM):
+            loop.add_signal_handler(sig, stop.set)
+        await run(settings, stop)
+
+    asyncio.run(main_async())
+    return 0

@@ -1,0 +1,125 @@
+"""xDS snapshots: one immutable, versioned set of resources per type, built by a pure function.
+
+A :class:`Snapshot` is what every Envoy should run: the model-serving cluster
+(CDS) and its endpoints (EDS) for one (fleet version, config version). It is
+built once by :func:`build_snapshot` from the same JSON the static bootstrap
+uses (``prefix_router.envoy_cluster``), parsed into protos and packed into
+``Any`` once, so every stream sends the same bytes. The snapshot resources
+never change after construction: a change is a new snapshot with a new version.
+
+Both types carry the snapshot's version. CDS changes with membership too (the
+ring's ``minimum_ring_size`` is K x the routable weight), so CDS and EDS are
+always published together, in one version.
+
+:meth:`Snapshot.consistent` checks cross-references before publishing: every
+EDS cluster named by CDS has exactly one assignment, and no assignment is
+orphaned (go-control-plane's ``Consistent``).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from google.protobuf import any_pb2  # type: ignore[import-untyped]
+from google.protobuf.json_format import ParseDict  # type: ignore[import-untyped]
+from google.protobuf.message import Message  # type: ignore[import-untyped]
+
+from prefix_router.config import RouterConfig
+from prefix_router.envoy_cluster import load_assignment, model_cluster
+from prefix_router.errors import PrefixRouterError
+from prefix_router.fleet import Fleet
+
+CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
+ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
+TYPE_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE)
+"""Send order on a change: a cluster before its endpoints (the xDS ordering rule)."""
+
+ClusterHook = Callable[[dict[str, Any]], dict[str, Any]]
+"""Rewrites the cluster JSON before parsing (tests: publish what Envoy must reject)."""
+
+
+class InconsistentSnapshot(PrefixRouterError):
+    """A snapshot whose resources do not reference each other correctly."""
+
+
+def snapshot_version(fleet_version: int, config_version: int) -> str:
+    """The xDS ``version_info``: deterministic, so every replica and restart agree."""
+    return f"{fleet_version}.{config_version}"
+
+
+@dataclass(frozen=True, slots=True)
+class Snapshot:
+    version: str
+    resources: Mapping[str, Mapping[str, any_pb2.Any]]
+    """type URL -> resource name -> packed resource."""
+
+    @classmethod
+    def of(cls, version: str, messages: Mapping[str, list[Message]]) -> Snapshot:
+        packed: dict[str, Mapping[str, any_pb2.Any]] = {}
+        for type_url, items in messages.items():
+            by_name: dict[str, any_pb2.Any] = {}
+            for msg in items:
+                name = _resource_name(msg)
+                if name in by_name:
+                    raise InconsistentSnapshot(f"two {type_url} resources named {name!r}")
+                any_msg = any_pb2.Any()
+                any_msg.Pack(msg)
+                by_name[name] = any_msg
+            packed[type_url] = MappingProxyType(by_name)
+        return cls(version=version, resources=MappingProxyType(packed))
+
+    def names(self, type_url: str) -> frozenset[str]:
+        return frozenset(self.resources.get(type_url, {}))
+
+    def select(self, type_url: str, names: frozenset[str]) -> list[any_pb2.Any]:
+        """Resources of ``type_url``: all of them, or only ``names`` when given."""
+        by_name = self.resources.get(type_url, {})
+        if not names:
+            return list(by_name.values())
+        return [by_name[n] for n in sorted(names) if n in by_name]
+
+    def consistent(self) -> None:
+        """Raise :class:`InconsistentSnapshot` unless EDS and CDS reference each other."""
+        wanted: set[str] = set()
+        for any_msg in self.resources.get(CLUSTER_TYPE, {}).values():
+            cluster = cluster_pb2.Cluster()
+            any_msg.Unpack(cluster)
+            if cluster.type == cluster_pb2.Cluster.EDS:
+                wanted.add(cluster.eds_cluster_config.service_name or cluster.name)
+        have = set(self.names(ENDPOINT_TYPE))
+        if missing := wanted - have:
+            raise InconsistentSnapshot(f"EDS clusters without endpoints: {sorted(missing)}")
+        if orphans := have - wanted:
+            raise InconsistentSnapshot(f"endpoints no EDS cluster names: {sorted(orphans)}")
+
+
+def _resource_name(msg: Message) -> str:
+    if isinstance(msg, cluster_pb2.Cluster):
+        return str(msg.name)
+    if isinstance(msg, endpoint_pb2.ClusterLoadAssignment):
+        return str(msg.cluster_name)
+    raise InconsistentSnapshot(f"unsupported resource {msg.DESCRIPTOR.full_name}")
+
+
+def build_snapshot(
+    fleet: Fleet,
+    config: RouterConfig,
+    *,
+    config_version: int,
+    cluster_hook: ClusterHook | None = None,
+) -> Snapshot:
+    """The snapshot every Envoy should run for this fleet and config. Pure."""
+    cluster_json = model_cluster(config, fleet, eds=True)
+    if cluster_hook is not None:
+        cluster_json = cluster_hook(cluster_json)
+    cluster = ParseDict(cluster_json, cluster_pb2.Cluster())
+    assignment = ParseDict(load_assignment(fleet), endpoint_pb2.ClusterLoadAssignment())
+    return Snapshot.of(
+        snapshot_version(fleet.version, config_version),
+        {CLUSTER_TYPE: [cluster], ENDPOINT_TYPE: [assignment]},
+    )
