@@ -1,0 +1,290 @@
+"""Snapshots (pure) and the ADS protocol over a real in-process gRPC stream."""
+
+from __future__ import annotations
+
+import asyncio
+from collections.abc import AsyncIterator
+from typing import Any
+
+import grpc
+import pytest
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.core.v3 import base_pb2, health_check_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
+from google.rpc import status_pb2
+
+from control_plane.ads import AdsServer
+from control_plane.cache import ALL_NODES, SnapshotCache
+from control_plane.callbacks import ClientRegistry
+from control_plane.snapshot import (
+    CLUSTER_TYPE,
+    ENDPOINT_TYPE,
+    InconsistentSnapshot,
+    Snapshot,
+    build_snapshot,
+)
+from prefix_router.config import RouterConfig
+from prefix_router.fleet import Fleet, Instance, InstanceState
+from prefix_router.procs import free_port
+
+A = Instance("10.0.0.1", 8000)
+B = Instance("10.0.0.2", 8000, weight=3, hash_key="b")
+C = Instance("10.0.0.3", 8000, state=InstanceState.DRAINING, draining_since=1.0)
+
+
+def snap(fleet_version: int = 1, *instances: Instance) -> Snapshot:
+    fleet = Fleet.of(list(instances or (A, B)), version=fleet_version)
+    return build_snapshot(fleet, RouterConfig(), config_version=1)
+
+
+def unpack(any_msg: Any, message: Any) -> Any:
+    any_msg.Unpack(message)
+    return message
+
+
+# -- snapshots (pure) ---------------------------------------------------------
+
+
+def test_snapshot_carries_the_versioned_eds_cluster_and_its_endpoints() -> None:
+    s = build_snapshot(Fleet.of([A, B, C], version=7), RouterConfig(), config_version=3)
+    s.consistent()
+    assert s.version == "7.3"
+    [cluster_any] = s.select(CLUSTER_TYPE, frozenset())
+    cluster = unpack(cluster_any, cluster_pb2.Cluster())
+    assert cluster.type == cluster_pb2.Cluster.EDS
+    assert cluster.lb_policy == cluster_pb2.Cluster.RING_HASH
+    # K x routable weight: A (1) + B (3); draining C is out of the ring.
+    assert cluster.ring_hash_lb_config.minimum_ring_size.value == 256 * 4
+    assert cluster.health_checks[0].http_health_check.path == "/health"
+    assert cluster.outlier_detection.consecutive_5xx.value == 5
+    assert cluster.circuit_breakers.thresholds[0].max_requests.value == 100_000
+    [cla_any] = s.select(ENDPOINT_TYPE, frozenset({"models"}))
+    cla = unpack(cla_any, endpoint_pb2.ClusterLoadAssignment())
+    hosts = [
+        (e.endpoint.hostname, health_check_pb2.HealthStatus.Name(e.health_status))
+        for e in cla.endpoints[0].lb_endpoints
+    ]
+    assert hosts == [(A.id, "HEALTHY"), (B.id, "HEALTHY"), (C.id, "DRAINING")]
+
+
+def test_config_values_reach_the_cluster() -> None:
+    config = RouterConfig().patched(
+        {"health_check": {"path": "/ready"}, "circuit_breakers": {"max_requests": 7}}
+    )
+    s = build_snapshot(Fleet.of([A]), config, config_version=2)
+    cluster = unpack(s.select(CLUSTER_TYPE, frozenset())[0], cluster_pb2.Cluster())
+    assert cluster.health_checks[0].http_health_check.path == "/ready"
+    assert cluster.circuit_breakers.thresholds[0].max_requests.value == 7
+
+
+def test_cluster_with_missing_endpoints_is_inconsistent() -> None:
+    cluster = unpack(snap().select(CLUSTER_TYPE, frozenset())[0], cluster_pb2.Cluster())
+    with pytest.raises(InconsistentSnapshot, match="without endpoints"):
+        Snapshot.of("1", {CLUSTER_TYPE: [cluster]}).consistent()
+
+
+def test_endpoints_without_a_cluster_are_inconsistent() -> None:
+    cla = unpack(snap().select(ENDPOINT_TYPE, frozenset())[0], endpoint_pb2.ClusterLoadAssignment())
+    with pytest.raises(InconsistentSnapshot, match="no EDS cluster"):
+        Snapshot.of("1", {ENDPOINT_TYPE: [cla]}).consistent()
+
+
+def test_duplicate_resource_names_are_refused() -> None:
+    cla = unpack(snap().select(ENDPOINT_TYPE, frozenset())[0], endpoint_pb2.ClusterLoadAssignment())
+    with pytest.raises(InconsistentSnapshot, match="two"):
+        Snapshot.of("1", {ENDPOINT_TYPE: [cla, cla]})
+
+
+def test_a_published_snapshot_cannot_be_changed() -> None:
+    s = snap()
+    with pytest.raises(TypeError):
+        s.resources[CLUSTER_TYPE]["other"] = s.resources[CLUSTER_TYPE]["models"]  # type: ignore[index]
+
+
+# -- ADS over gRPC -------------------------------------------------------------
+
+
+class Envoyish:
+    """One ADS stream driven like Envoy drives it."""
+
+    def __init__(self, channel: grpc.aio.Channel, node_id: str) -> None:
+        self.node = base_pb2.Node(id=node_id, cluster="test")
+        self.requests: asyncio.Queue[discovery_pb2.DiscoveryRequest | None] = asyncio.Queue()
+        self.call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources(
+            self._iter()
+        )
+        self.first = True
+        self.responses: asyncio.Queue[Any] = asyncio.Queue()
+        self.reader = asyncio.create_task(self._read())
+
+    async def _read(self) -> None:
+        # A timed-out read() would cancel the whole call, so one task reads them all.
+        try:
+            async for response in self.call:
+                self.responses.put_nowait(response)
+        except grpc.aio.AioRpcError:
+            pass
+        self.responses.put_nowait(grpc.aio.EOF)
+
+    async def _iter(self) -> AsyncIterator[discovery_pb2.DiscoveryRequest]:
+        while (req := await self.requests.get()) is not None:
+            yield req
+
+    def send(
+        self,
+        type_url: str,
+        *,
+        version: str = "",
+        nonce: str = "",
+        error: str = "",
+        names: tuple[str, ...] = (),
+    ) -> None:
+        req = discovery_pb2.DiscoveryRequest(
+            type_url=type_url,
+            version_info=version,
+            response_nonce=nonce,
+            resource_names=list(names),
+        )
+        if self.first:
+            req.node.CopyFrom(self.node)
+            self.first = False
+        if error:
+            req.error_detail.CopyFrom(status_pb2.Status(code=3, message=error))
+        self.requests.put_nowait(req)
+
+    async def recv(self, timeout: float = 2.0) -> Any:
+        return await asyncio.wait_for(self.responses.get(), timeout)
+
+    async def silent(self, timeout: float = 0.3) -> bool:
+        try:
+            await asyncio.wait_for(self.responses.get(), timeout)
+        except TimeoutError:
+            return True
+        return False
+
+    def ack(self, response: discovery_pb2.DiscoveryResponse, **kw: Any) -> None:
+        self.send(response.type_url, version=response.version_info, nonce=response.nonce, **kw)
+
+    async def close(self) -> None:
+        self.requests.put_nowait(None)
+        self.call.cancel()
+        await asyncio.gather(self.reader, return_exceptions=True)
+
+
+@pytest.fixture
+async def xds() -> AsyncIterator[tuple[SnapshotCache, ClientRegistry, grpc.aio.Channel]]:
+    cache, clients = SnapshotCache(), ClientRegistry()
+    server = grpc.aio.server()
+    ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(AdsServer(cache, clients), server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    try:
+        yield cache, clients, channel
+    finally:
+        await channel.close()
+        await server.stop(grace=None)
+
+
+XdsFixture = tuple[SnapshotCache, ClientRegistry, grpc.aio.Channel]
+
+
+async def subscribe(envoy: Envoyish) -> tuple[Any, Any]:
+    envoy.send(CLUSTER_TYPE)
+    cds = await envoy.recv()
+    envoy.ack(cds)
+    envoy.send(ENDPOINT_TYPE, names=("models",))
+    eds = await envoy.recv()
+    envoy.ack(eds, names=("models",))
+    return cds, eds
+
+
+async def test_subscribe_ack_and_push_clusters_before_endpoints(xds: XdsFixture) -> None:
+    cache, clients, channel = xds
+    cache.set_snapshot(ALL_NODES, snap(1))
+    envoy = Envoyish(channel, "e1")
+    cds, eds = await subscribe(envoy)
+    assert (cds.type_url, cds.version_info) == (CLUSTER_TYPE, "1.1")
+    assert (eds.type_url, eds.version_info) == (ENDPOINT_TYPE, "1.1")
+    assert await envoy.silent()  # ACKs are not answered
+    assert clients.clients["e1"].acked == {"cds": "1.1", "eds": "1.1"}
+
+    cache.set_snapshot(ALL_NODES, snap(2, A))
+    first, second = await envoy.recv(), await envoy.recv()
+    assert [first.type_url, second.type_url] == [CLUSTER_TYPE, ENDPOINT_TYPE]
+    assert {first.version_info, second.version_info} == {"2.1"}
+    cla = unpack(second.resources[0], endpoint_pb2.ClusterLoadAssignment())
+    assert [e.endpoint.hostname for e in cla.endpoints[0].lb_endpoints] == [A.id]
+    await envoy.close()
+
+
+async def test_a_nack_is_recorded_with_envoys_error_and_the_version_not_resent(
+    xds: XdsFixture,
+) -> None:
+    cache, clients, channel = xds
+    cache.set_snapshot(ALL_NODES, snap(1))
+    envoy = Envoyish(channel, "e1")
+    await subscribe(envoy)
+    cache.set_snapshot(ALL_NODES, snap(2, A))
+    bad_cds, bad_eds = await envoy.recv(), await envoy.recv()
+    # Envoy rejects the cluster: it answers with its last good version and the error.
+    envoy.send(CLUSTER_TYPE, version="1.1", nonce=bad_cds.nonce, error="bad cluster: boom")
+    envoy.ack(bad_eds, names=("models",))
+    assert await envoy.silent()
+    status = clients.clients["e1"]
+    assert status.acked["cds"] == "1.1"
+    assert status.nacked["cds"]["version"] == "2.1"
+    assert status.nacked["cds"]["error"] == "bad cluster: boom"
+    cache.set_snapshot(ALL_NODES, snap(3, A))
+    fixed = await envoy.recv()
+    assert (fixed.type_url, fixed.version_info) == (CLUSTER_TYPE, "3.1")
+    envoy.ack(fixed)
+    await envoy.recv()
+    await asyncio.sleep(0.05)
+    assert "cds" not in clients.clients["e1"].nacked
+    await envoy.close()
+
+
+async def test_a_stale_nonce_is_ignored(xds: XdsFixture) -> None:
+    cache, _, channel = xds
+    cache.set_snapshot(ALL_NODES, snap(1))
+    envoy = Envoyish(channel, "e1")
+    cds, _ = await subscribe(envoy)
+    cache.set_snapshot(ALL_NODES, snap(2))
+    newer = await envoy.recv()
+    await envoy.recv()
+    envoy.send(CLUSTER_TYPE, version="0", nonce=cds.nonce, error="old news")
+    assert await envoy.silent()
+    envoy.ack(newer)
+    await envoy.close()
+
+
+async def test_several_nodes_and_a_reconnect_get_the_same_state(xds: XdsFixture) -> None:
+    cache, clients, channel = xds
+    envoys = [Envoyish(channel, f"e{i}") for i in range(3)]
+    for e in envoys:
+        e.send(CLUSTER_TYPE)
+    assert all([await e.silent(0.1) for e in envoys])  # nothing to send before a snapshot
+    cache.set_snapshot(ALL_NODES, snap(4))
+    versions = [(await e.recv()).version_info for e in envoys]
+    assert versions == ["4.1"] * 3
+    for e in envoys:
+        await e.close()
+    # A new stream (Envoy reconnecting) that already holds 4.1 is answered anyway.
+    again = Envoyish(channel, "e0")
+    again.send(CLUSTER_TYPE, version="4.1")
+    assert (await again.recv()).version_info == "4.1"
+    await asyncio.sleep(0.05)
+    assert clients.clients["e0"].streams and not clients.clients["e1"].streams
+    await again.close()
+
+
+async def test_a_stream_without_a_node_id_is_closed(xds: XdsFixture) -> None:
+    cache, _, channel = xds
+    cache.set_snapshot(ALL_NODES, snap(1))
+    envoy = Envoyish(channel, "")
+    envoy.send(CLUSTER_TYPE)
+    assert await envoy.recv() is grpc.aio.EOF
+    await envoy.close()
