@@ -1,0 +1,213 @@
+"""The admin API in process over real Redis: auth, validation, audit, draining, status."""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+from pathlib import Path
+
+import httpx
+import pytest
+
+from control_plane.admin import create_app
+from control_plane.drain import Drainer, drain_verdict
+from control_plane.health import Streak, next_health
+from control_plane.server import resolve_token
+from control_plane.service import AdminService
+from prefix_router.config import HealthCheckConfig, RouterConfig
+from prefix_router.errors import StartupError
+from prefix_router.fleet import Fleet, Instance, InstanceState
+from prefix_router.state import StateStore
+from tests.support.redis_ns import fresh_store
+
+TOKEN = "s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+A = Instance("127.0.0.1", 9001)
+B = Instance("127.0.0.1", 9002)
+
+
+@dataclass
+class Admin:
+    client: httpx.AsyncClient
+    store: StateStore
+    service: AdminService
+
+
+@pytest.fixture
+async def admin() -> AsyncIterator[Admin]:
+    async with fresh_store() as store:
+        await store.seed(Fleet.of([A, B]), RouterConfig())
+        service = AdminService(store, store)
+        app = create_app(service, token=TOKEN)
+        async with httpx.AsyncClient(
+            transport=httpx.ASGITransport(app=app), base_url="http://admin", headers=AUTH
+        ) as client:
+            yield Admin(client, store, service)
+
+
+async def test_every_route_but_the_probe_needs_the_token(admin: Admin) -> None:
+    c = admin.client
+    routes = [
+        ("GET", "/config"), ("PUT", "/config"), ("PATCH", "/config"), ("GET", "/instances"),
+        ("POST", "/instances"), ("GET", f"/instances/{A.id}"), ("PATCH", f"/instances/{A.id}"),
+        ("POST", f"/instances/{A.id}/drain"), ("DELETE", f"/instances/{A.id}"),
+        ("GET", "/status"), ("GET", "/audit"), ("GET", "/openapi.json"), ("GET", "/docs"),
+    ]  # fmt: skip
+    for method, path in routes:
+        for headers in ({"Authorization": ""}, {"Authorization": "Bearer wrong"}):
+            r = await c.request(method, path, headers=headers, json={})
+            assert r.status_code == 401, (method, path, r.text)
+            assert r.headers["www-authenticate"] == "Bearer"
+    assert (await c.get("/healthz", headers={"Authorization": ""})).status_code == 200
+    assert (await admin.store.read()).versions == (1, 1)
+    assert await admin.store.audit_log() == []
+
+
+async def test_openapi_docs_are_served(admin: Admin) -> None:
+    spec = (await admin.client.get("/openapi.json")).json()
+    assert {"/config", "/instances", "/instances/{instance_id}", "/status"} <= set(spec["paths"])
+    assert "swagger" in (await admin.client.get("/docs")).text.lower()
+
+
+@pytest.mark.parametrize(
+    ("method", "body", "reason"),
+    [
+        ("PATCH", {"prefix_length": 0}, "prefix_length"),
+        ("PATCH", {"prefix_mode": "tokens"}, "prefix_mode"),
+        ("PATCH", {"no_such_setting": 1}, "no_such_setting"),
+        ("PATCH", {"health_check": {"interval_ms": 1}}, "health_check.interval_ms"),
+        ("PUT", {"prefix_length": -5}, "prefix_length"),
+    ],
+)
+async def test_invalid_config_is_422_with_the_reason_and_nothing_changes(
+    admin: Admin, method: str, body: dict[str, object], reason: str
+) -> None:
+    before = await admin.client.get("/config")
+    r = await admin.client.request(method, "/config", json=body)
+    assert r.status_code == 422
+    assert reason in r.json()["detail"]
+    assert (await admin.client.get("/config")).json() == before.json()
+    assert await admin.store.audit_log() == []
+
+
+async def test_a_config_change_is_versioned_and_audited(admin: Admin) -> None:
+    r = await admin.client.patch("/config", json={"prefix_length": 64, "spill": {"load_factor": 2}})
+    assert r.status_code == 200
+    assert r.json()["version"] == 2
+    assert r.json()["config"]["prefix_length"] == 64
+    assert r.json()["config"]["spill"]["policy"] == "bounded-load"  # nested merge kept it
+    r = await admin.client.put("/config", json={"prefix_mode": "bytes"})
+    assert r.json()["version"] == 3
+    assert r.json()["config"]["prefix_length"] == RouterConfig().prefix_length  # PUT replaces
+    put, patch = await admin.store.audit_log()
+    assert patch["action"] == "patch-config" and patch["actor"] == "admin"
+    assert patch["before"]["prefix_length"] == 1024 and patch["after"]["prefix_length"] == 64
+    assert put["action"] == "put-config" and put["after"]["prefix_mode"] == "bytes"
+    assert put["time"] >= patch["time"] > 0
+
+
+async def test_instances_add_update_and_their_errors(admin: Admin) -> None:
+    c = admin.client
+    r = await c.post("/instances", json={"address": "10.1.1.1", "port": 80, "weight": 2,
+                                         "models": ["m1"]})  # fmt: skip
+    assert r.status_code == 201
+    assert r.json()["fleet_version"] == 2
+    new_id = r.json()["instance"]["id"]
+    assert (await c.post("/instances", json={"address": "10.1.1.1", "port": 80})).status_code == 409
+    bad_bodies = [
+        {"address": "", "port": 80},
+        {"address": "h", "port": 70000},
+        {"address": "h", "port": 1, "weight": 0},
+        {"address": "h", "port": 1, "x": 1},
+    ]
+    for bad in bad_bodies:
+        r = await c.post("/instances", json=bad)
+        assert r.status_code == 422, bad
+        assert r.json()["detail"]
+    r = await c.patch(f"/instances/{new_id}", json={"weight": 5, "models": ["m2"]})
+    assert r.json()["instance"]["weight"] == 5 and r.json()["instance"]["models"] == ["m2"]
+    assert (await c.patch(f"/instances/{new_id}", json={"weight": 999})).status_code == 422
+    assert (await c.patch("/instances/nope:1", json={"weight": 2})).status_code == 404
+    assert (await c.delete("/instances/nope:1")).status_code == 404
+    listed = (await c.get("/instances")).json()
+    assert [i["id"] for i in listed["instances"]] == sorted([A.id, B.id, new_id])
+    assert listed["fleet_version"] == 3
+    actions = [e["action"] for e in await admin.store.audit_log()]
+    assert actions == ["update-instance", "add-instance"]
+
+
+async def test_drain_keeps_the_instance_and_active_undoes_it(admin: Admin) -> None:
+    c = admin.client
+    r = await c.post(f"/instances/{A.id}/drain")
+    assert r.status_code == 202
+    assert r.json()["instance"]["state"] == "draining"
+    record = (await admin.store.read()).fleet
+    assert [i.id for i in record.fleet.routable] == [B.id] and not record.removing
+    r = await c.patch(f"/instances/{A.id}", json={"state": "active"})
+    assert r.json()["instance"]["state"] == "active"
+    assert r.json()["instance"]["draining_since"] is None
+
+
+async def test_remove_drains_until_nothing_is_in_flight(admin: Admin) -> None:
+    clock = [1000.0]
+    admin.service.clock = lambda: clock[0]
+    drainer = Drainer(admin.store, admin.store, grace_s=1.0, timeout_s=60.0, clock=lambda: clock[0])
+    r = await admin.client.delete(f"/instances/{A.id}")
+    assert r.status_code == 202 and r.json()["instance"]["state"] == "draining"
+    await admin.store.redis.hset(admin.store.keys.inflight, A.id, 2)
+    clock[0] += 5
+    assert await drainer.sweep() == []  # two requests still in flight
+    status = (await admin.client.get("/status")).json()
+    [a] = [i for i in status["instances"] if i["id"] == A.id]
+    assert (a["state"], a["in_flight"], a["removing"], a["routable"]) == (
+        "draining",
+        2,
+        True,
+        False,
+    )
+    await admin.store.redis.hset(admin.store.keys.inflight, A.id, 0)
+    assert await drainer.sweep() == [A.id]
+    record = (await admin.store.read()).fleet
+    assert [i.id for i in record.fleet.instances] == [B.id] and not record.removing
+    removed, requested = (await admin.store.audit_log())[:2]
+    assert requested["action"] == "remove-instance" and requested["after"]["state"] == "draining"
+    assert removed["actor"] == "drainer" and removed["after"] is None
+
+
+async def test_status_reports_versions_and_instances(admin: Admin) -> None:
+    status = (await admin.client.get("/status")).json()
+    assert (status["fleet_version"], status["config_version"]) == (1, 1)
+    assert [i["in_flight"] for i in status["instances"]] == [0, 0]
+    assert status["xds_clients"] == []
+
+
+def test_drain_verdict() -> None:
+    draining = A.with_changes(state=InstanceState.DRAINING, draining_since=100.0)
+    v = dict(grace_s=2.0, timeout_s=30.0)
+    assert drain_verdict(A, 0, 200.0, **v) is None  # active: never
+    assert drain_verdict(draining, 0, 101.0, **v) is None  # within grace
+    assert drain_verdict(draining, 0, 102.0, **v) == "drained"
+    assert drain_verdict(draining, 3, 110.0, **v) is None
+    assert drain_verdict(draining, None, 110.0, **v) is None  # counts unknown
+    assert drain_verdict(draining, 3, 130.0, **v) == "timeout"
+
+
+def test_health_thresholds() -> None:
+    cfg = HealthCheckConfig(unhealthy_threshold=2, healthy_threshold=3)
+    assert next_health(True, Streak(ok=False, count=1), cfg) is True
+    assert next_health(True, Streak(ok=False, count=2), cfg) is False
+    assert next_health(False, Streak(ok=True, count=2), cfg) is False
+    assert next_health(False, Streak(ok=True, count=3), cfg) is True
+
+
+def test_a_token_is_required_off_loopback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
+    monkeypatch.delenv("PREFIX_ROUTER_ADMIN_TOKEN", raising=False)
+    assert resolve_token(None, "127.0.0.1") is None
+    assert resolve_token(None, "::1") is None
+    with pytest.raises(StartupError, match="needs a token"):
+        resolve_token(None, "0.0.0.0")
+    monkeypatch.setenv("PREFIX_ROUTER_ADMIN_TOKEN", "from-env")
+    assert resolve_token(None, "0.0.0.0") == "from-env"
+    token_file = tmp_path / "token"
+    token_file.write_text("from-file\n")
+    assert resolve_token(str(token_file), "0.0.0.0") == "from-file"
