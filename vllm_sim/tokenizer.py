@@ -1,9 +1,9 @@
 """Deterministic stand-in tokenizer: every 4 bytes of UTF-8 text are one token.
 
-A token id is a bijective 32-bit mix of its 4-byte chunk, so identical byte prefixes give
-identical token prefixes and different chunks never share an id (no false cache sharing).
-A short last chunk (1-3 bytes) gets ``length << 32 | mix(chunk padded with zeros)``, which
-keeps it apart from every full chunk.
+A token id is an injective function of its 4-byte chunk (the chunk as a little-endian
+integer), so identical byte prefixes give identical token prefixes and different chunks never
+share an id (no false cache sharing). A short last chunk of k bytes (1-3) gets
+``k << 32 | value``, which keeps it apart from every full chunk.
 
 Chat prompts are rendered by a minimal template, tools first, then each message in order::
 
@@ -22,31 +22,32 @@ for a 4 KB prompt.
 from __future__ import annotations
 
 import random
-import struct
+import sys
+from array import array
 from collections.abc import Iterable, Mapping, Sequence
 from typing import Any
 
 import orjson
 
 TOKEN_BYTES = 4
-_MASK32 = 0xFFFFFFFF
-_GOLDEN = 0x9E3779B1
-
-
-def _mix(chunk: int) -> int:
-    """Bijection on 32-bit integers (odd multiply, then xorshift)."""
-    y = (chunk * _GOLDEN) & _MASK32
-    return y ^ (y >> 16)
+_LITTLE = sys.byteorder == "little"
 
 
 def tokenize_bytes(data: bytes) -> list[int]:
-    """Token ids of ``data``: one per 4 bytes, the last one possibly short."""
+    """Token ids of ``data``: one per 4 bytes, the last one possibly short.
+
+    A full chunk's id is the chunk read as a little-endian 32-bit integer: an injective (so
+    collision-free) hash that costs one C-level conversion per prompt, not a Python
+    operation per token. A short tail of ``k`` bytes gets ``k << 32 | value``.
+    """
     full = len(data) // TOKEN_BYTES
-    tokens = [_mix(x) for x in struct.unpack_from(f"<{full}I", data)] if full else []
+    chunks = array("I", data[:full * TOKEN_BYTES])
+    if not _LITTLE:
+        chunks.byteswap()
+    tokens = chunks.tolist()
     tail = data[full * TOKEN_BYTES:]
     if tail:
-        padded = int.from_bytes(tail.ljust(TOKEN_BYTES, b"\0"), "little")
-        tokens.append((len(tail) << 32) | _mix(padded))
+        tokens.append((len(tail) << 32) | int.from_bytes(tail, "little"))
     return tokens
 
 
