@@ -4,10 +4,14 @@ This is the part of ext_proc that knows nothing about gRPC. It holds the
 current :class:`~prefix_router.routing.RoutingTable` (swapped whole when the
 fleet or the config changes) and a :class:`~prefix_router.loads.LoadStore`.
 
-When the store fails or is slower than ``redis_timeout_ms``, the request is
-routed by the ring alone (``RING_ONLY``), the failure is logged once, and the
-store is left alone for a short back-off so a dead Redis costs each request
-nothing; the first success after that logs the recovery.
+The store bounds its own waits on Redis (``redis_timeout_ms`` per round trip)
+and reports a failed or slow Redis as :class:`LoadsUnavailable`: the request is
+then routed by the ring alone (``RING_ONLY``), the failure is logged once, and
+the store is left alone for a short back-off so a dead Redis costs each
+request nothing; the first success after that logs the recovery. Time a
+request spends queued in this process under a burst is not Redis being slow,
+so it does not count against Redis; a backstop of ``STORE_WAIT_FACTOR`` round
+trips still bounds the wait.
 """
 
 from __future__ import annotations
@@ -24,6 +28,7 @@ from prefix_router.routing import Decision, Outcome, RoutingTable
 log = logging.getLogger("prefix_router.ext_proc")
 
 STORE_BACKOFF_S = 0.5
+STORE_WAIT_FACTOR = 10
 
 
 class RouterCallbacks:
@@ -87,7 +92,8 @@ class RequestRouter:
         now = time.monotonic()
         if now >= self._store_down_until:
             try:
-                async with asyncio.timeout(table.config.redis_timeout_ms / 1000):
+                backstop = STORE_WAIT_FACTOR * table.config.redis_timeout_ms / 1000
+                async with asyncio.timeout(backstop):
                     reservation = await self.store.reserve(
                         [ids[c] for c in candidates], table.spill, len(ids)
                     )
@@ -97,7 +103,7 @@ class RequestRouter:
                 if self._store_down:
                     self._store_down = False
                     log.warning("load store answers again: spill resumed")
-            except (LoadsUnavailable, TimeoutError, OSError, ConnectionError) as exc:
+            except (LoadsUnavailable, OSError, TimeoutError) as exc:
                 self._store_down_until = now + STORE_BACKOFF_S
                 if not self._store_down:
                     self._store_down = True

@@ -127,7 +127,11 @@ class RouterConfig(_Frozen):
     circuit_breakers: CircuitBreakerConfig = CircuitBreakerConfig()
     retry: RetryConfig = RetryConfig()
     redis_timeout_ms: float = Field(
-        5.0, gt=0, le=1000, description="Longest wait on Redis in the request path."
+        50.0,
+        gt=0,
+        le=1000,
+        description="Longest one Redis round trip may take; past it ext_proc routes by the "
+        "ring alone and leaves Redis alone for a short back-off.",
     )
 
     @field_validator("tenant_header")

@@ -7,17 +7,18 @@ Layout (``ns`` is the namespace, e.g. ``prefix-router:``):
 ``{ns}replicas``            set   replicas that may hold counts
 ``{ns}alive:{replica}``     key   heartbeat, expires ``HEARTBEAT_TTL_S`` after the last beat
 
-Reserve is one Lua call (one round trip): it reads the candidates' counts,
-applies the spill rule (the same rule as :func:`prefix_router.spill.choose`)
-and increments the chosen instance in both hashes, atomically, so no two
-replicas can both see an instance below the threshold and both push it over.
+Reserve is one Lua call: it reads the candidates' counts, applies the spill
+rule (the same rule as :func:`prefix_router.spill.choose`) and increments the
+chosen instance in both hashes, atomically, so no two replicas can both see an
+instance below the threshold and both push it over.
 
-Releases are queued and flushed by one background task, many per round trip
-under load. Counts heal themselves: a replica that dies stops beating, and any
+Reserves and releases are queued and sent by one background task as one
+pipelined round trip, so a replica needs one connection and, under load, one
+round trip carries many requests. Counts heal themselves: a replica that dies stops beating, and any
 replica's janitor (or the control plane's) subtracts the dead replica's share
-from the fleet-wide counts within a few seconds. A reserve that timed out may
-or may not have been applied; the replica then rewrites its share from its own
-exact local counts at the next quiet moment.
+from the fleet-wide counts within a few seconds. When a round trip fails
+outright, the replica rewrites its share from its own exact local counts at
+the next quiet moment.
 """
 
 from __future__ import annotations
@@ -28,7 +29,6 @@ import logging
 import uuid
 from collections import Counter
 from collections.abc import Sequence
-from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
@@ -141,8 +141,10 @@ class RedisLoadStore:
         *,
         namespace: str = "prefix-router:",
         replica: str | None = None,
+        round_trip_timeout_s: float = 0.05,
     ) -> None:
         self.redis = client
+        self.round_trip_timeout_s = round_trip_timeout_s
         self.namespace = namespace
         self.replica = replica or uuid.uuid4().hex[:12]
         self.fleet_key = f"{namespace}inflight"
@@ -156,9 +158,11 @@ class RedisLoadStore:
         self._local: Counter[str] = Counter()
         """This replica's exact counts: what its share in Redis should be."""
         self._pending: list[str] = []
+        self._reserves: list[
+            tuple[list[str | int | float], Sequence[str], asyncio.Future[Reservation]]
+        ] = []
         self._wake = asyncio.Event()
         self._in_doubt = False
-        self._reserving = 0
         self._tasks: list[asyncio.Task[None]] = []
 
     @classmethod
@@ -178,36 +182,24 @@ class RedisLoadStore:
             max_connections=256,
             health_check_interval=0,
         )
-        store = cls(client, namespace=namespace, replica=replica)
+        store = cls(client, namespace=namespace, replica=replica, round_trip_timeout_s=timeout_s)
         store.start()
         return store
 
     def start(self) -> None:
         self._tasks = [
-            asyncio.create_task(self._flush_releases(), name="loads-release-flusher"),
+            asyncio.create_task(self._flush(), name="loads-flusher"),
             asyncio.create_task(self._heartbeat(), name="loads-heartbeat"),
         ]
 
     async def reserve(
         self, candidates: Sequence[str], rule: SpillRule, fleet_size: int
     ) -> Reservation:
-        self._reserving += 1
-        try:
-            result: list[Any] = await self._reserve(
-                keys=[self.fleet_key, self.share_key],
-                args=[rule.policy.value, rule.threshold, rule.load_factor, fleet_size, *candidates],
-            )
-        except asyncio.CancelledError:
-            self._in_doubt = True  # timed out: Redis may or may not have counted it
-            raise
-        except RedisError as exc:
-            self._in_doubt = True
-            raise LoadsUnavailable(str(exc)) from exc
-        finally:
-            self._reserving -= 1
-        index = int(result[-1])
-        self._local[candidates[index]] += 1
-        return Reservation(index=index, loads=tuple(int(x) for x in result[:-1]))
+        future: asyncio.Future[Reservation] = asyncio.get_running_loop().create_future()
+        args = [rule.policy.value, rule.threshold, rule.load_factor, fleet_size, *candidates]
+        self._reserves.append((args, candidates, future))
+        self._wake.set()
+        return await future
 
     def release(self, instance_id: str) -> None:
         if self._local[instance_id] > 0:
@@ -219,19 +211,50 @@ class RedisLoadStore:
         raw = await self.redis.hgetall(self.fleet_key)
         return {_text(k): int(v) for k, v in raw.items() if int(v) > 0}
 
-    async def _flush_releases(self) -> None:
+    async def _flush(self) -> None:
+        """Send every queued reserve and release in one pipelined round trip, repeatedly.
+
+        One connection carries all of a replica's traffic; under load a round trip
+        carries many requests. A reserve whose caller gave up waiting (timeout) is
+        still counted by Redis, so it is released at once: counts stay exact.
+        """
         while True:
             await self._wake.wait()
             self._wake.clear()
-            batch, self._pending = self._pending, []
-            if not batch:
+            reserves, self._reserves = self._reserves, []
+            releases, self._pending = self._pending, []
+            if not reserves and not releases:
                 continue
+            keys = [self.fleet_key, self.share_key]
             try:
-                await self._release(keys=[self.fleet_key, self.share_key], args=batch)
-            except RedisError as exc:
-                # The local counts are already right; the share is rewritten from them later.
+                async with asyncio.timeout(self.round_trip_timeout_s):
+                    async with self.redis.pipeline(transaction=False) as pipe:
+                        for args, _, _ in reserves:
+                            await self._reserve(keys=keys, args=args, client=pipe)
+                        if releases:
+                            await self._release(keys=keys, args=releases, client=pipe)
+                        results = await pipe.execute(raise_on_error=False)
+            except (RedisError, OSError, TimeoutError) as exc:
+                # Unknown whether Redis applied them: rewrite the share from local counts later.
                 self._in_doubt = True
-                log.debug("release flush failed: %r", exc)
+                for _, _, future in reserves:
+                    if not future.done():
+                        future.set_exception(LoadsUnavailable(repr(exc)))
+                continue
+            for (_, candidates, future), result in zip(reserves, results, strict=False):
+                if isinstance(result, Exception):
+                    if not future.done():
+                        future.set_exception(LoadsUnavailable(repr(result)))
+                    continue
+                index = int(result[-1])
+                chosen = candidates[index]
+                self._local[chosen] += 1
+                if future.done():  # the caller timed out and routed by the ring alone
+                    self.release(chosen)
+                else:
+                    future.set_result(
+                        Reservation(index=index, loads=tuple(int(x) for x in result[:-1]))
+                    )
 
     async def _heartbeat(self) -> None:
         while True:
@@ -248,7 +271,7 @@ class RedisLoadStore:
             pipe.sadd(self.replicas_key, self.replica)
             await pipe.execute()
         await self._reap(keys=[self.fleet_key, self.replicas_key], args=[self.namespace])
-        if self._in_doubt and not self._reserving and not self._pending:
+        if self._in_doubt and not self._reserves and not self._pending:
             self._in_doubt = False
             await self._rewrite_share()
 

@@ -23,6 +23,7 @@ class StaticStack:
     config: RouterConfig
     ext_proc_ports: list[int]
     ext_procs: list[ManagedProcess] = field(default_factory=list)
+    ext_proc_args: list[str] = field(default_factory=list)
     envoy: ManagedProcess | None = None
     backends: ManagedProcess | None = None
 
@@ -37,7 +38,10 @@ def start_static_stack(
     weights: Sequence[int] | None = None,
     hash_keys: Sequence[str | None] | None = None,
     start_ext_procs: bool = True,
+    sim_args: Sequence[str] | None = None,
+    ext_proc_args: Sequence[str] = (),
 ) -> StaticStack:
+    """Backends are echo servers, or simulated vLLM instances when ``sim_args`` is given."""
     config = config or RouterConfig()
     ports = [free_port() for _ in range(backends)]
     weights = weights or [1] * backends
@@ -55,15 +59,12 @@ def start_static_stack(
         config=config,
         ext_proc_ports=[free_port() for _ in range(ext_procs)],
     )
-    stack.backends = procs.add(
-        start_module(
-            "backends",
-            "tests.support.echo_backend",
-            [str(p) for p in ports],
-            log_dir,
-            ready_ports=ports,
-        )
-    )
+    if sim_args is None:
+        module, args = "tests.support.echo_backend", [str(p) for p in ports]
+    else:
+        module, args = "vllm_sim", ["--ports", ",".join(map(str, ports)), *sim_args]
+    stack.backends = procs.add(start_module("backends", module, args, log_dir, ready_ports=ports))
+    stack.ext_proc_args = list(ext_proc_args)
     config_file = log_dir / "routing.json"
     config_file.write_text(json.dumps(config.to_json_dict()))
     if start_ext_procs:
@@ -81,7 +82,7 @@ def start_static_stack(
 
 
 def start_ext_proc_for(stack: StaticStack, port: int, log_dir: Path) -> ManagedProcess:
-    args = ["--config", str(log_dir / "routing.json")]
+    args = ["--config", str(log_dir / "routing.json"), *stack.ext_proc_args]
     for inst in stack.fleet.instances:
         args += ["--backend", f"{inst.address}:{inst.port}:{inst.weight}:{inst.hash_key or ''}"]
     return start_ext_proc(port, log_dir, args=args)
