@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import io
 import os
 import signal
 import socket
@@ -125,6 +126,16 @@ async def test_cache_salt_and_lora_isolate_the_cache(
     assert await cached() == 0
     assert await cached(model="lora-a") == 0
     assert await cached(model="lora-a") > 0
+    assert (await client.post("/reset_prefix_cache")).status_code == 200
+    assert await cached(model="lora-a") == 0
+
+
+def test_public_names_are_exported() -> None:
+    import vllm_sim
+
+    assert sorted(vllm_sim.__all__) == sorted(set(vllm_sim.__all__))
+    for name in vllm_sim.__all__:
+        assert getattr(vllm_sim, name) is not None
 
 
 async def test_models_health_headers_and_request_id(
@@ -414,5 +425,6 @@ def test_cli_exit_codes() -> None:
         taken.listen(1)
         port = taken.getsockname()[1]
         assert cli_main(["--ports", f"0,{port}", "--time-scale", "10"]) == 1
-    with pytest.raises(SystemExit), contextlib.redirect_stderr(None):
+    with pytest.raises(SystemExit) as exited, contextlib.redirect_stderr(io.StringIO()):
         cli_main(["--profile", "no-such-profile"])
+    assert exited.value.code == 2

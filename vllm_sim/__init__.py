@@ -19,6 +19,7 @@ from vllm_sim.config import DEFAULT_PROFILE, PROFILES, CostModel, EngineConfig, 
 from vllm_sim.engine import Engine, GenerationParams, RequestHandle
 from vllm_sim.errors import (
     BadRequestError,
+    EngineStoppedError,
     ModelNotFoundError,
     RequestError,
     SimConfigError,
@@ -39,6 +40,7 @@ __all__ = [
     "CostModel",
     "Engine",
     "EngineConfig",
+    "EngineStoppedError",
     "Fault",
     "FaultMode",
     "GenerationParams",

@@ -24,7 +24,7 @@ from starlette.responses import Response
 from starlette.routing import Route
 from starlette.types import ASGIApp, Message, Receive, Scope, Send
 
-from vllm_sim.errors import ModelNotFoundError, RequestError
+from vllm_sim.errors import EngineStoppedError, ModelNotFoundError, RequestError
 from vllm_sim.faults import parse_fault
 from vllm_sim.instance import SimInstance
 from vllm_sim.metrics import CONTENT_TYPE_LATEST
@@ -54,7 +54,7 @@ def _request_error(exc: RequestError) -> Response:
 
 
 def _unavailable() -> Response:
-    return _error("The instance is unhealthy (fault injected).", status=503,
+    return _error("The instance is unhealthy (fault injected) or stopping.", status=503,
                   err_type="ServiceUnavailableError")
 
 
@@ -66,6 +66,8 @@ def _guarded(handler: Endpoint) -> Endpoint:
             return await handler(request)
         except RequestError as exc:
             return _request_error(exc)
+        except EngineStoppedError:
+            return _unavailable()
         except ClientDisconnect:
             return Response(status_code=499)
         except Exception:

@@ -26,7 +26,7 @@ from collections.abc import Callable
 from dataclasses import dataclass
 
 from vllm_sim.config import EngineConfig
-from vllm_sim.errors import BadRequestError
+from vllm_sim.errors import BadRequestError, EngineStoppedError
 from vllm_sim.prefix_cache import hash_blocks, hash_seed
 from vllm_sim.scheduler import Scheduler, SeqStatus, Sequence, new_sequence
 from vllm_sim.stats import EngineStats
@@ -134,7 +134,7 @@ class Engine:
         """Queue a request; raises :class:`BadRequestError` if it can never fit the context."""
         config = self.config
         if self._closed:
-            raise RuntimeError("engine is stopped")
+            raise EngineStoppedError("the engine is stopped")
         prompt = params.prompt
         limit = config.effective_max_model_len
         if not prompt:
@@ -216,8 +216,10 @@ class Engine:
                 continue
             start = self.now()
             plan = scheduler.schedule(start)
-            if plan.empty:  # nothing fits until something changes
-                self._wake.clear()
+            if plan.empty:
+                if plan.preempted:
+                    continue  # the preempted wait at the queue's head: admit them now
+                self._wake.clear()  # nothing fits until something changes
                 await self._wake.wait()
                 continue
             duration = cost.step_seconds(

@@ -3,6 +3,7 @@
     SimError
      +-- SimConfigError       invalid settings; the CLI exits with code 2
      +-- SimStartupError      an instance could not start (port taken); the CLI exits with 1
+     +-- EngineStoppedError   a request reached an engine that is shutting down; HTTP 503
      +-- RequestError         a request the API refuses; ``param`` names the offending field
           +-- BadRequestError     malformed or inconsistent request; HTTP 400
           +-- ModelNotFoundError  the request names a model this instance does not serve; HTTP 404
@@ -24,6 +25,10 @@ class SimConfigError(SimError):
 
 class SimStartupError(SimError):
     """An instance could not start; the message says which and why."""
+
+
+class EngineStoppedError(SimError):
+    """A request arrived while its instance was shutting down."""
 
 
 class RequestError(SimError):
