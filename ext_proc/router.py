@@ -34,11 +34,17 @@ STORE_WAIT_FACTOR = 10
 class RouterCallbacks:
     """Hooks for metrics and logs; every method is a no-op by default."""
 
-    def on_decision(self, decision: Decision, seconds: float) -> None:
+    def on_decision(self, decision: Decision, seconds: float, request_id: str) -> None:
         """A request was routed; ``seconds`` is the decision's latency."""
 
     def on_fallback(self, reason: Fallback) -> None:
         """``openai`` key extraction fell back to ``bytes``."""
+
+    def on_reserved(self, instance_id: str) -> None:
+        """A request now counts as in flight on ``instance_id``."""
+
+    def on_finished(self, instance_id: str) -> None:
+        """A request counted on ``instance_id`` ended."""
 
     def on_error(self, error: BaseException) -> None:
         """Routing failed with an unexpected error; the request went on unrouted."""
@@ -70,7 +76,13 @@ class RequestRouter:
         self.table = table
 
     async def route(
-        self, body: bytes, *, path: str, tenant: str, complete: bool = True
+        self,
+        body: bytes,
+        *,
+        path: str,
+        tenant: str,
+        complete: bool = True,
+        request_id: str = "",
     ) -> RouteResult:
         started = time.perf_counter()
         table = self.table
@@ -82,7 +94,7 @@ class RequestRouter:
         candidates = table.candidates_for(key.value)
         if not candidates:
             decision = Decision(Outcome.NO_INSTANCES, None, None, None)
-            self.callbacks.on_decision(decision, time.perf_counter() - started)
+            self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
             return RouteResult(decision, key, None)
         ids = table.ids
         home = ids[candidates[0]]
@@ -99,6 +111,7 @@ class RequestRouter:
                     )
                 chosen = reservation.index
                 reserved = ids[candidates[chosen]]
+                self.callbacks.on_reserved(reserved)
                 outcome = Outcome.HOME if chosen == 0 else Outcome.SPILLED
                 if self._store_down:
                     self._store_down = False
@@ -114,10 +127,11 @@ class RequestRouter:
             table.header_for(key.value, candidates, chosen),
             home,
         )
-        self.callbacks.on_decision(decision, time.perf_counter() - started)
+        self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
         return RouteResult(decision, key, reserved)
 
     def finish(self, result: RouteResult) -> None:
         """The request ended (normally or not): give back its in-flight count."""
         if result.reserved is not None:
             self.store.release(result.reserved)
+            self.callbacks.on_finished(result.reserved)

@@ -16,7 +16,9 @@ from collections.abc import Sequence
 import grpc
 from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+from prometheus_client import start_http_server
 
+from ext_proc.metrics import PrometheusCallbacks
 from ext_proc.router import RequestRouter
 from ext_proc.servicer import ExternalProcessor
 from ext_proc.state_follower import follow_state
@@ -48,6 +50,8 @@ async def serve(
         ]
     )
     servicer = ExternalProcessor(router)
+    if isinstance(router.callbacks, PrometheusCallbacks):
+        router.callbacks.open_streams.set_function(lambda: servicer.open_streams)
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
@@ -85,6 +89,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--config", help="YAML file with the routing config")
     p.add_argument("--redis-url", help="share in-flight counts (and follow the fleet) in Redis")
     p.add_argument("--namespace", default="prefix-router:", help="Redis key prefix")
+    p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -101,7 +106,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
         store = await _load_store(args.redis_url, args.namespace, config)
-        router = RequestRouter(RoutingTable.build(fleet, config), store)
+        callbacks = PrometheusCallbacks()
+        if args.metrics_port:
+            start_http_server(args.metrics_port, addr=args.host, registry=callbacks.registry)
+        router = RequestRouter(RoutingTable.build(fleet, config), store, callbacks)
         follower = None
         if args.redis_url and not args.backend:  # no static fleet: follow the control plane's
             follower = asyncio.create_task(

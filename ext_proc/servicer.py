@@ -75,6 +75,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         tenant_header = router.table.config.tenant_header
         path = ""
         tenant = ""
+        request_id = ""
         result: RouteResult | None = None
         self.open_streams += 1
         try:
@@ -87,6 +88,8 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                             path = _header(h)
                         elif name == tenant_header:
                             tenant = _header(h)
+                        elif name == "x-request-id":
+                            request_id = _header(h)
                     yield _CONTINUE_REQUEST_HEADERS
                 elif kind == "request_body":
                     if result is not None:  # a later chunk (streamed body): nothing to add
@@ -95,11 +98,18 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                     body = message.request_body
                     try:
                         result = await router.route(
-                            body.body, path=path, tenant=tenant, complete=body.end_of_stream
+                            body.body,
+                            path=path,
+                            tenant=tenant,
+                            complete=body.end_of_stream,
+                            request_id=request_id,
                         )
                     except Exception as exc:  # the data path never fails a request
                         router.callbacks.on_error(exc)
-                        log.exception("routing failed; request goes on unrouted")
+                        log.exception(
+                            "routing failed; request goes on unrouted",
+                            extra={"request_id": request_id},
+                        )
                         yield _CONTINUE_REQUEST_BODY
                         continue
                     header_value = result.decision.header_value

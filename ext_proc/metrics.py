@@ -1,0 +1,101 @@
+"""Prometheus metrics of one ext_proc process (prefix ``prefix_router_ext_proc_``).
+
+Served on ``--metrics-port`` at ``/metrics``. Fleet-wide in-flight counts are
+exported once, by the control plane, from Redis; this process exports its own
+share so a replica that leaks counts stands out.
+"""
+
+from __future__ import annotations
+
+import logging
+
+from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+
+from ext_proc.router import RouterCallbacks
+from prefix_router.prefix_key import Fallback
+from prefix_router.routing import Decision, Outcome
+
+log = logging.getLogger("prefix_router.ext_proc")
+
+DECISION_BUCKETS = (
+    0.00005,
+    0.0001,
+    0.00025,
+    0.0005,
+    0.001,
+    0.0025,
+    0.005,
+    0.01,
+    0.025,
+    0.05,
+    0.1,
+    0.25,
+)
+
+
+class PrometheusCallbacks(RouterCallbacks):
+    """Counts every decision, fallback and error; logs spills with their request id."""
+
+    def __init__(self, registry: CollectorRegistry | None = None) -> None:
+        self.registry = registry or CollectorRegistry()
+        self.decisions = Counter(
+            "prefix_router_ext_proc_decisions",
+            "Routing decisions by outcome: home, spilled, ring_only (load store unavailable), "
+            "no_instances, error.",
+            ["outcome"],
+            registry=self.registry,
+        )
+        self.decision_seconds = Histogram(
+            "prefix_router_ext_proc_decision_seconds",
+            "Time from the request body's arrival to the routing decision.",
+            buckets=DECISION_BUCKETS,
+            registry=self.registry,
+        )
+        self.fallbacks = Counter(
+            "prefix_router_ext_proc_key_fallbacks",
+            "Requests keyed on raw bytes because openai mode could not render them, by reason.",
+            ["reason"],
+            registry=self.registry,
+        )
+        self.in_flight = Gauge(
+            "prefix_router_ext_proc_in_flight",
+            "Requests this replica routed that have not ended, by instance.",
+            ["instance"],
+            registry=self.registry,
+        )
+        self.open_streams = Gauge(
+            "prefix_router_ext_proc_open_streams",
+            "ext_proc gRPC streams open right now (one per request in flight through Envoy).",
+            registry=self.registry,
+        )
+        for outcome in (*Outcome, "error"):
+            self.decisions.labels(str(outcome))
+        for reason in Fallback:
+            self.fallbacks.labels(reason.value)
+
+    def on_decision(self, decision: Decision, seconds: float, request_id: str) -> None:
+        self.decisions.labels(decision.outcome.value).inc()
+        self.decision_seconds.observe(seconds)
+        if decision.outcome is Outcome.SPILLED:
+            log.info(
+                "spilled from %s to %s",
+                decision.home_id,
+                decision.instance_id,
+                extra={
+                    "instance": decision.instance_id,
+                    "outcome": "spilled",
+                    "request_id": request_id,
+                },
+            )
+
+    def on_reserved(self, instance_id: str) -> None:
+        self.in_flight.labels(instance_id).inc()
+
+    def on_finished(self, instance_id: str) -> None:
+        self.in_flight.labels(instance_id).dec()
+
+    def on_fallback(self, reason: Fallback) -> None:
+        self.fallbacks.labels(reason.value).inc()
+
+    def on_error(self, error: BaseException) -> None:
+        self.decisions.labels("error").inc()

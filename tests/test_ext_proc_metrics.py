@@ -1,0 +1,46 @@
+"""ext_proc's Prometheus metrics, read over HTTP from a live process behind real Envoy."""
+
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import httpx
+import pytest
+from prometheus_client.parser import text_string_to_metric_families
+
+from prefix_router.procs import free_port
+from tests.conftest import ProcessReaper
+from tests.support.static_stack import start_static_stack
+
+pytestmark = pytest.mark.e2e
+
+
+def samples(url: str) -> dict[tuple[str, tuple[tuple[str, str], ...]], float]:
+    text = httpx.get(url, timeout=5).text
+    return {
+        (s.name, tuple(sorted(s.labels.items()))): s.value
+        for family in text_string_to_metric_families(text)
+        for s in family.samples
+    }
+
+
+def test_decisions_fallbacks_and_streams_are_counted(procs: ProcessReaper, log_dir: Path) -> None:
+    metrics_port = free_port()
+    stack = start_static_stack(
+        procs, log_dir, backends=3, ext_proc_args=["--metrics-port", str(metrics_port)]
+    )
+    chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hi"}]})
+    with httpx.Client(timeout=10) as client:
+        for _ in range(7):
+            assert client.post(f"{stack.url}/v1/chat/completions", content=chat).status_code == 200
+        for _ in range(3):
+            assert client.post(f"{stack.url}/v1/chat/completions", content=b"{not json").is_success
+    got = samples(f"http://127.0.0.1:{metrics_port}/metrics")
+    assert got[("prefix_router_ext_proc_decisions_total", (("outcome", "home"),))] == 10
+    assert got[("prefix_router_ext_proc_decisions_total", (("outcome", "spilled"),))] == 0
+    assert got[("prefix_router_ext_proc_key_fallbacks_total", (("reason", "invalid_json"),))] == 3
+    assert got[("prefix_router_ext_proc_decision_seconds_count", ())] == 10
+    assert got[("prefix_router_ext_proc_open_streams", ())] == 0
+    in_flight = [v for (name, _), v in got.items() if name == "prefix_router_ext_proc_in_flight"]
+    assert in_flight and set(in_flight) == {0}
