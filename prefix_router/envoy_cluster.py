@@ -39,6 +39,9 @@ def model_cluster(config: RouterConfig, fleet: Fleet, *, eds: bool) -> dict[str,
             # Never spray a hot ring over every host when some fail health checks.
             "healthy_panic_threshold": {"value": 0.0},
         },
+        # A host removed from EDS leaves at once, even while it still passes health checks
+        # (Envoy's default keeps it, and routes to it, until a check fails).
+        "ignore_health_on_host_removal": True,
         "health_checks": [
             {
                 "timeout": _duration(hc.timeout_ms),

@@ -1,0 +1,173 @@
+"""A real xDS data path on 127.0.0.1: echo backends, control plane, ext_proc following Redis,
+Envoy learning its cluster over ADS. Every process goes through the ``procs`` reaper."""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.request
+from collections.abc import Sequence
+from dataclasses import dataclass, field
+from pathlib import Path
+from typing import Any
+
+import httpx
+import yaml
+
+from prefix_router.config import RouterConfig
+from prefix_router.envoy_bootstrap import BootstrapParams
+from prefix_router.launch import start_envoy, start_ext_proc, start_module
+from prefix_router.procs import ManagedProcess, free_port
+from tests.conftest import REDIS_URL, ProcessReaper
+
+TOKEN = "test-admin-token"
+
+
+@dataclass
+class XdsStack:
+    namespace: str
+    log_dir: Path
+    url: str = ""
+    admin_url: str = ""
+    envoy_admin_port: int = 0
+    xds_port: int = 0
+    admin_port: int = 0
+    backend_ports: list[int] = field(default_factory=list)
+    control_plane: ManagedProcess | None = None
+    envoy: ManagedProcess | None = None
+    ext_procs: list[ManagedProcess] = field(default_factory=list)
+    cp_args: list[str] = field(default_factory=list)
+
+    def admin(self, *, token: str | None = TOKEN, timeout: float = 10) -> httpx.Client:
+        headers = {"Authorization": f"Bearer {token}"} if token else {}
+        return httpx.Client(base_url=self.admin_url, headers=headers, timeout=timeout)
+
+    def envoy_json(self, path: str) -> Any:
+        with urllib.request.urlopen(
+            f"http://127.0.0.1:{self.envoy_admin_port}{path}", timeout=5
+        ) as r:
+            return json.load(r)
+
+    def envoy_hosts(self) -> dict[str, dict[str, Any]]:
+        """Envoy's hosts of the ``models`` cluster: ``ip:port`` -> host status."""
+        hosts: dict[str, dict[str, Any]] = {}
+        for cluster in self.envoy_json("/clusters?format=json").get("cluster_statuses", []):
+            if cluster["name"] != "models":
+                continue
+            for h in cluster.get("host_statuses", []):
+                sa = h["address"]["socket_address"]
+                hosts[f"{sa['address']}:{sa['port_value']}"] = h
+        return hosts
+
+    def envoy_cluster(self) -> dict[str, Any] | None:
+        """The dynamic ``models`` cluster Envoy runs (config dump: version_info, cluster)."""
+        for cfg in self.envoy_json("/config_dump?resource=dynamic_active_clusters")["configs"]:
+            if cfg["cluster"]["name"] == "models":
+                return dict(cfg)
+        return None
+
+    def start_control_plane(self, procs: ProcessReaper) -> ManagedProcess:
+        self.control_plane = procs.add(
+            start_module(
+                "control-plane",
+                "prefix_router",
+                ["control-plane", *self.cp_args],
+                self.log_dir,
+                ready_ports=[self.xds_port, self.admin_port],
+                env={"PREFIX_ROUTER_ADMIN_TOKEN": TOKEN},
+            )
+        )
+        return self.control_plane
+
+
+def start_backends(procs: ProcessReaper, log_dir: Path, ports: Sequence[int], name: str) -> None:
+    procs.add(
+        start_module(
+            name, "tests.support.echo_backend", [str(p) for p in ports], log_dir, ready_ports=ports
+        )
+    )
+
+
+def start_xds_stack(
+    procs: ProcessReaper,
+    log_dir: Path,
+    namespace: str,
+    *,
+    backends: int = 3,
+    spare_backends: int = 0,
+    config: RouterConfig | None = None,
+    envoy_nodes: int = 1,
+    extra_cp_args: Sequence[str] = (),
+) -> tuple[XdsStack, list[ManagedProcess]]:
+    """Start the stack with ``backends`` in the fleet and ``spare_backends`` running outside it.
+
+    Returns the stack and every Envoy (``envoy_nodes`` of them, node ids ``envoy-0``...).
+    """
+    stack = XdsStack(namespace=namespace, log_dir=log_dir)
+    stack.backend_ports = [free_port() for _ in range(backends + spare_backends)]
+    start_backends(procs, log_dir, stack.backend_ports, "backends")
+    fleet_file = log_dir / "fleet.yaml"
+    doc: dict[str, Any] = {
+        "instances": [{"address": "127.0.0.1", "port": p} for p in stack.backend_ports[:backends]]
+    }
+    if config is not None:
+        doc["routing"] = config.to_json_dict()
+    fleet_file.write_text(yaml.safe_dump(doc))
+    stack.xds_port, stack.admin_port = free_port(), free_port()
+    stack.admin_url = f"http://127.0.0.1:{stack.admin_port}"
+    stack.cp_args = [
+        "--xds-port",
+        str(stack.xds_port),
+        "--admin-port",
+        str(stack.admin_port),
+        "--redis-url",
+        REDIS_URL,
+        "--namespace",
+        namespace,
+        "--fleet",
+        str(fleet_file),
+        *extra_cp_args,
+    ]
+    stack.start_control_plane(procs)
+    ext_proc_port = free_port()
+    stack.ext_procs.append(
+        procs.add(
+            start_ext_proc(
+                ext_proc_port,
+                log_dir,
+                args=["--redis-url", REDIS_URL, "--namespace", namespace],
+            )
+        )
+    )
+    envoys = []
+    for n in range(envoy_nodes):
+        listen, admin = free_port(), free_port()
+        params = BootstrapParams(
+            listen_port=listen,
+            admin_port=admin,
+            ext_proc=(("127.0.0.1", ext_proc_port),),
+            xds=("127.0.0.1", stack.xds_port),
+            node_id=f"envoy-{n}",
+        )
+        envoy = procs.add(start_envoy(params, config or RouterConfig(), log_dir, name=f"envoy-{n}"))
+        envoys.append(envoy)
+        if n == 0:
+            stack.envoy = envoy
+            stack.url = f"http://127.0.0.1:{listen}"
+            stack.envoy_admin_port = admin
+    wait_until(lambda: len(stack.envoy_hosts()) == backends, 10, "Envoy got its hosts over xDS")
+    return stack, envoys
+
+
+def wait_until(check: Any, timeout: float, what: str, interval: float = 0.02) -> float:
+    """Poll ``check()`` until truthy; returns the seconds it took, fails after ``timeout``."""
+    started = time.monotonic()
+    while True:
+        try:
+            if check():
+                return time.monotonic() - started
+        except (OSError, KeyError, ValueError):
+            pass
+        if time.monotonic() - started > timeout:
+            raise AssertionError(f"timed out after {timeout}s waiting until {what}")
+        time.sleep(interval)

@@ -1,0 +1,184 @@
+"""The control plane end to end: real Envoy over ADS, real Redis, ext_proc following Redis.
+
+Each test starts echo backends, the control plane (``prefix-router control-plane``),
+one ext_proc with ``--redis-url`` and Envoy with an xDS bootstrap, on free ports.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from prefix_router.config import PrefixMode
+from prefix_router.prefix_key import KeySettings, extract_key
+from tests.conftest import ProcessReaper
+from tests.support.load import Load
+from tests.support.redis_ns import fresh_store, unique_namespace
+from tests.support.xds_stack import XdsStack, start_xds_stack, wait_until
+
+pytestmark = pytest.mark.e2e
+
+
+@pytest.fixture
+def namespace() -> Iterator[str]:
+    """Requested before ``procs``, so its keys are deleted after every process stopped."""
+    ns = unique_namespace()
+    yield ns
+
+    async def clean() -> None:
+        async with fresh_store(ns):
+            pass
+
+    asyncio.run(clean())
+
+
+def chat(content: str) -> bytes:
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": content}]}).encode()
+
+
+def prefix_key_seen(client: httpx.Client, stack: XdsStack, body: bytes) -> str:
+    r = client.post(f"{stack.url}/v1/chat/completions", content=body)
+    assert r.status_code == 200, r.text
+    return str(r.json()["prefix_key"])
+
+
+def test_instances_join_and_leave_under_load_without_a_failed_request(
+    namespace: str, procs: ProcessReaper, log_dir: Path
+) -> None:
+    stack, _ = start_xds_stack(
+        procs, log_dir, namespace, backends=2, spare_backends=1,
+        extra_cp_args=["--drain-grace", "1.0"],
+    )  # fmt: skip
+    old, new = str(stack.backend_ports[0]), str(stack.backend_ports[2])
+    with stack.admin() as admin, Load(stack.url) as load:
+        time.sleep(0.5)
+        asked = time.monotonic()
+        r = admin.post("/instances", json={"address": "127.0.0.1", "port": int(new)})
+        assert r.status_code == 201, r.text
+        wait_until(lambda: load.first_from(new, asked) is not None, 3, "the new instance serves")
+        first = load.first_from(new, asked)
+        assert first is not None and first - asked < 1.0, first - asked
+
+        removing = time.monotonic()
+        r = admin.delete(f"/instances/127.0.0.1:{old}")
+        assert r.status_code == 202 and r.json()["instance"]["state"] == "draining"
+        wait_until(
+            lambda: f"127.0.0.1:{old}" not in stack.envoy_hosts(), 5, "Envoy dropped the instance"
+        )
+        gone = time.monotonic()
+        time.sleep(0.5)
+    assert load.served_by(old, after=0) > 0  # it did serve before
+    assert load.served_by(old, after=removing + 1.0) == 0, "no new request after draining"
+    assert gone - removing >= 1.0  # the drain grace held it until nothing could be in flight
+    assert load.failures() == [], load.failures()[:5]
+    assert len(load.outcomes) > 200
+    with stack.admin() as admin:
+        status = admin.get("/status").json()
+        assert [i["port"] for i in status["instances"]] == sorted(stack.backend_ports[1:])
+        actions = [e["action"] for e in admin.get("/audit").json()]
+        assert actions[:3] == [
+            "remove-instance (drained, in flight 0)", "remove-instance", "add-instance"
+        ]  # fmt: skip
+
+
+def test_config_changes_reach_ext_proc_and_envoy_and_bad_ones_change_nothing(
+    namespace: str, procs: ProcessReaper, log_dir: Path
+) -> None:
+    stack, _ = start_xds_stack(procs, log_dir, namespace, backends=2)
+    body = chat("same prompt " * 10)
+    with stack.admin() as admin, httpx.Client(timeout=10) as client:
+        # No token, wrong token: 401, from the real process.
+        for token in (None, "wrong"):
+            with stack.admin(token=token) as intruder:
+                assert intruder.get("/config").status_code == 401
+                assert intruder.patch("/config", json={"prefix_length": 8}).status_code == 401
+        before_key = prefix_key_seen(client, stack, body)
+        before = admin.get("/config").json()
+        assert cds_acked(admin) == "1.1"
+
+        # PrefixLength 0, an unknown mode: 422, nothing changes anywhere.
+        for bad in ({"prefix_length": 0}, {"prefix_mode": "tokens"}):
+            r = admin.patch("/config", json=bad)
+            assert r.status_code == 422 and next(iter(bad)) in r.json()["detail"]
+        time.sleep(0.3)
+        assert admin.get("/config").json() == before
+        assert cds_acked(admin) == "1.1"
+        assert prefix_key_seen(client, stack, body) == before_key
+
+        # A valid change reaches ext_proc within a second.
+        settings = KeySettings(prefix_length=8, mode=PrefixMode.BYTES)
+        expected = extract_key(body, settings=settings, path="/v1/chat/completions", tenant="")
+        asked = time.monotonic()
+        r = admin.patch("/config", json={"prefix_length": 8, "prefix_mode": "bytes"})
+        assert r.status_code == 200 and r.json()["version"] == before["version"] + 1
+        took = wait_until(lambda: prefix_key_seen(client, stack, body) == expected.value, 3,
+                          "ext_proc keys with the new config")  # fmt: skip
+        assert took < 1.0 and time.monotonic() - asked < 1.5
+        wait_until(lambda: cds_acked(admin) == "1.2", 3, "Envoy ACKs 1.2")
+
+        # Envoy refuses an empty health-check path (our validation lets it through):
+        # the NACK is reported with Envoy's reason and Envoy keeps the last good cluster.
+        r = admin.patch("/config", json={"health_check": {"path": ""}})
+        assert r.status_code == 200
+        wait_until(lambda: nack_of(admin) is not None, 3, "Envoy NACKed")
+        nack = nack_of(admin)
+        assert nack is not None and nack["version"] == f"1.{r.json()['version']}"
+        assert "HttpHealthCheckValidationError.Path" in nack["error"], nack
+        assert cds_acked(admin) == "1.2"
+        assert health_path(stack) == "/health"
+        assert prefix_key_seen(client, stack, body) == expected.value  # traffic still flows
+
+        # The next good config is applied and clears the NACK.
+        r = admin.patch("/config", json={"health_check": {"path": "/ready"}})
+        wait_until(lambda: health_path(stack) == "/ready", 3, "Envoy runs the fixed cluster")
+        assert nack_of(admin) is None
+        assert cds_acked(admin) == f"1.{r.json()['version']}"
+
+
+def cds_acked(admin: httpx.Client) -> str:
+    [client] = admin.get("/status").json()["xds_clients"]
+    return str(client["acked"].get("cds"))
+
+
+def nack_of(admin: httpx.Client) -> dict[str, str] | None:
+    [client] = admin.get("/status").json()["xds_clients"]
+    nack: dict[str, str] | None = client["nacked"].get("cds")
+    return nack
+
+
+def health_path(stack: XdsStack) -> str:
+    cluster = stack.envoy_cluster()
+    assert cluster is not None
+    return str(cluster["cluster"]["health_checks"][0]["http_health_check"]["path"])
+
+
+def test_several_envoys_follow_and_reconnect_after_a_control_plane_restart(
+    namespace: str, procs: ProcessReaper, log_dir: Path
+) -> None:
+    stack, envoys = start_xds_stack(procs, log_dir, namespace, backends=2, envoy_nodes=2)
+    with stack.admin() as admin:
+        wait_until(lambda: acked(admin) == {"envoy-0": "1.1", "envoy-1": "1.1"}, 3, "both ACK")
+        assert stack.control_plane is not None
+        stack.control_plane.stop()
+        time.sleep(0.5)
+        # Envoy keeps serving on its last config while the control plane is away.
+        assert httpx.post(f"{stack.url}/v1/chat/completions", content=chat("x")).status_code == 200
+        stack.start_control_plane(procs)
+        wait_until(lambda: acked(admin) == {"envoy-0": "1.1", "envoy-1": "1.1"}, 10,
+                   "both Envoys reconnect and ACK the same state")  # fmt: skip
+        r = admin.patch(f"/instances/127.0.0.1:{stack.backend_ports[0]}", json={"weight": 3})
+        assert r.status_code == 200
+        wait_until(lambda: acked(admin) == {"envoy-0": "2.1", "envoy-1": "2.1"}, 3, "2.1 ACKed")
+        weights = {h: s["weight"] for h, s in stack.envoy_hosts().items()}
+        assert weights[f"127.0.0.1:{stack.backend_ports[0]}"] == 3
+
+
+def acked(admin: httpx.Client) -> dict[str, str]:
+    clients = admin.get("/status").json()["xds_clients"]
+    return {c["node_id"]: c["acked"].get("eds", "") for c in clients if c["connected"]}
