@@ -12,7 +12,7 @@ import logging
 import time
 
 from control_plane.cache import ALL_NODES, SnapshotCache
-from control_plane.snapshot import ClusterHook, Snapshot, build_snapshot
+from control_plane.snapshot import Snapshot, build_snapshot
 from prefix_router.config import RouterConfig
 from prefix_router.errors import PrefixRouterError
 from prefix_router.fleet import Fleet
@@ -26,11 +26,9 @@ class Publisher:
         cache: SnapshotCache,
         *,
         key: str = ALL_NODES,
-        cluster_hook: ClusterHook | None = None,
     ) -> None:
         self.cache = cache
         self.key = key
-        self.cluster_hook = cluster_hook
         self.published: Snapshot | None = None
         self.published_at = 0.0
         self.fleet: Fleet | None = None
@@ -39,9 +37,7 @@ class Publisher:
 
     def on_state(self, fleet: Fleet, config: RouterConfig, config_version: int) -> None:
         try:
-            snapshot = build_snapshot(
-                fleet, config, config_version=config_version, cluster_hook=self.cluster_hook
-            )
+            snapshot = build_snapshot(fleet, config, config_version=config_version)
             snapshot.consistent()
         except (PrefixRouterError, ValueError) as exc:
             log.error("not publishing fleet %d / config %d: %s", fleet.version, config_version, exc)

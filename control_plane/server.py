@@ -41,7 +41,6 @@ from control_plane.drain import Drainer
 from control_plane.health import HealthProber
 from control_plane.publisher import Publisher
 from control_plane.service import AdminService
-from control_plane.snapshot import ClusterHook
 from prefix_router.config import RouterConfig, load_config_file, parse_config
 from prefix_router.errors import ConfigError, FleetError, StartupError
 from prefix_router.fleet import Fleet, Instance
@@ -69,7 +68,6 @@ class Settings:
     drain_timeout_s: float = 300.0
     watch_interval_s: float = 1.0
     health_probe: bool = True
-    cluster_hook: ClusterHook | None = None
 
 
 def load_fleet_file(path: str) -> tuple[Fleet, RouterConfig | None]:
@@ -139,7 +137,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
 
     cache = SnapshotCache()
     clients = ClientRegistry()
-    publisher = Publisher(cache, cluster_hook=settings.cluster_hook)
+    publisher = Publisher(cache)
     service = AdminService(
         store,
         store,

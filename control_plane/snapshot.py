@@ -18,10 +18,9 @@ orphaned (go-control-plane's ``Consistent``).
 
 from __future__ import annotations
 
-from collections.abc import Callable, Mapping
+from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
-from typing import Any
 
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
@@ -38,9 +37,6 @@ CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
 TYPE_ORDER = (CLUSTER_TYPE, ENDPOINT_TYPE)
 """Send order on a change: a cluster before its endpoints (the xDS ordering rule)."""
-
-ClusterHook = Callable[[dict[str, Any]], dict[str, Any]]
-"""Rewrites the cluster JSON before parsing (tests: publish what Envoy must reject)."""
 
 
 class InconsistentSnapshot(PrefixRouterError):
@@ -111,13 +107,9 @@ def build_snapshot(
     config: RouterConfig,
     *,
     config_version: int,
-    cluster_hook: ClusterHook | None = None,
 ) -> Snapshot:
     """The snapshot every Envoy should run for this fleet and config. Pure."""
-    cluster_json = model_cluster(config, fleet, eds=True)
-    if cluster_hook is not None:
-        cluster_json = cluster_hook(cluster_json)
-    cluster = ParseDict(cluster_json, cluster_pb2.Cluster())
+    cluster = ParseDict(model_cluster(config, fleet, eds=True), cluster_pb2.Cluster())
     assignment = ParseDict(load_assignment(fleet), endpoint_pb2.ClusterLoadAssignment())
     return Snapshot.of(
         snapshot_version(fleet.version, config_version),
