@@ -1,0 +1,186 @@
+"""Faults on the data path under load: no request fails, routing and counts recover.
+
+Real Envoy, real ext_proc processes, simulated vLLM instances, and a Redis
+server of the test's own (so it can be stopped and started again).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+import shutil
+import time
+from collections import Counter
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+import redis
+
+from prefix_router.config import RouterConfig
+from prefix_router.procs import ManagedProcess, free_port, wait_until_listening
+from tests.conftest import ProcessReaper
+from tests.support.static_stack import StaticStack, start_ext_proc_for, start_static_stack
+
+pytestmark = pytest.mark.e2e
+
+MODEL = "meta-llama/Llama-3.1-70B-Instruct"
+
+
+class OwnRedis:
+    """A redis-server on a free port that the test may stop and start again."""
+
+    def __init__(self, procs: ProcessReaper, log_dir: Path) -> None:
+        binary = shutil.which("redis-server")
+        if binary is None:
+            pytest.fail("redis-server is not on PATH (.ci/run installs it)")
+        self.binary = binary
+        self.port = free_port()
+        self.url = f"redis://127.0.0.1:{self.port}/0"
+        self.procs = procs
+        self.log_dir = log_dir
+        self.proc: ManagedProcess | None = None
+
+    def start(self) -> None:
+        self.proc = self.procs.add(
+            ManagedProcess(
+                "redis",
+                [
+                    self.binary,
+                    "--port",
+                    str(self.port),
+                    "--bind",
+                    "127.0.0.1",
+                    "--save",
+                    "",
+                    "--appendonly",
+                    "no",
+                ],
+                self.log_dir / "redis.log",
+            ).start()
+        )
+        wait_until_listening(self.proc, self.port)
+
+    def stop(self) -> None:
+        assert self.proc is not None
+        self.proc.kill()
+
+    def in_flight(self) -> dict[bytes, bytes]:
+        client = redis.Redis.from_url(self.url)
+        try:
+            return client.hgetall("prefix-router:inflight")  # type: ignore[return-value]
+        finally:
+            client.close()
+
+
+@pytest.fixture
+def own_redis(procs: ProcessReaper, log_dir: Path) -> Iterator[OwnRedis]:
+    server = OwnRedis(procs, log_dir)
+    server.start()
+    yield server
+
+
+def chat(prompt: str, max_tokens: int = 8) -> str:
+    return json.dumps(
+        {
+            "model": MODEL,
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "messages": [{"role": "user", "content": prompt}],
+        }
+    )
+
+
+async def load(stack: StaticStack, seconds: float, concurrency: int = 12) -> Counter[int]:
+    """Closed-loop load for ``seconds``: status codes seen (0 = transport error)."""
+    codes: Counter[int] = Counter()
+    rng = random.Random(3)
+    deadline = time.monotonic() + seconds
+
+    async def worker(client: httpx.AsyncClient) -> None:
+        while time.monotonic() < deadline:
+            body = chat(f"prefix {rng.randrange(40)} " * 30)
+            try:
+                r = await client.post(f"{stack.url}/v1/chat/completions", content=body)
+                codes[r.status_code] += 1
+            except httpx.HTTPError:
+                codes[0] += 1
+
+    async with httpx.AsyncClient(timeout=30) as client:
+        await asyncio.gather(*(worker(client) for _ in range(concurrency)))
+    return codes
+
+
+def wait_for(predicate: object, timeout: float) -> float:
+    started = time.monotonic()
+    while time.monotonic() - started < timeout:
+        if predicate():  # type: ignore[operator]
+            return time.monotonic() - started
+        time.sleep(0.02)
+    raise AssertionError(f"not within {timeout}s")
+
+
+def sticky(stack: StaticStack, prompt: str, n: int = 5) -> bool:
+    with httpx.Client(timeout=10) as client:
+        seen = {
+            client.post(f"{stack.url}/v1/chat/completions", content=chat(prompt, 1)).headers[
+                "x-sim-instance"
+            ]
+            for _ in range(n)
+        }
+    return len(seen) == 1
+
+
+def redis_stack(procs: ProcessReaper, log_dir: Path, own: OwnRedis) -> StaticStack:
+    return start_static_stack(
+        procs,
+        log_dir,
+        backends=4,
+        ext_procs=1,
+        config=RouterConfig(),
+        sim_args=["--time-scale", "5"],
+        ext_proc_args=["--redis-url", own.url],
+    )
+
+
+async def test_ext_proc_killed_mid_load_fails_no_request_and_recovers(
+    procs: ProcessReaper, log_dir: Path, own_redis: OwnRedis
+) -> None:
+    stack = redis_stack(procs, log_dir, own_redis)
+    loader = asyncio.create_task(load(stack, seconds=6))
+    await asyncio.sleep(1.5)
+    stack.ext_procs[0].kill()
+    await asyncio.sleep(1.5)
+    restarted = procs.add(start_ext_proc_for(stack, stack.ext_proc_ports[0], log_dir))
+    stack.ext_procs[0] = restarted
+    resumed_after = await asyncio.to_thread(wait_for, lambda: sticky(stack, "sticky " * 50), 5)
+    codes = await loader
+    assert set(codes) == {200}, codes
+    assert resumed_after < 1.0, f"routing by prefix resumed {resumed_after:.2f}s after restart"
+    # The killed replica's counts go when its heartbeat expires and a janitor reaps them.
+    await asyncio.to_thread(wait_for, lambda: own_redis.in_flight() == {}, 8)
+
+
+async def test_redis_stopped_and_restarted_mid_load_fails_no_request(
+    procs: ProcessReaper, log_dir: Path, own_redis: OwnRedis
+) -> None:
+    stack = redis_stack(procs, log_dir, own_redis)
+    loader = asyncio.create_task(load(stack, seconds=6))
+    await asyncio.sleep(1.5)
+    own_redis.stop()
+    await asyncio.sleep(2)
+    own_redis.start()
+    codes = await loader
+    assert set(codes) == {200}, codes
+    log = (log_dir / f"ext_proc-{stack.ext_proc_ports[0]}.log").read_text()
+    assert "routing by the ring alone" in log
+    assert "spill resumed" in log
+    # Spill resumed: requests are counted in Redis again.
+    body = chat("after the outage " * 20, max_tokens=200)
+    async with httpx.AsyncClient(timeout=30) as client:
+        pending = asyncio.create_task(client.post(f"{stack.url}/v1/chat/completions", content=body))
+        await asyncio.to_thread(wait_for, lambda: own_redis.in_flight() != {}, 3)
+        assert (await pending).status_code == 200
+    await asyncio.to_thread(wait_for, lambda: own_redis.in_flight() == {}, 3)
