@@ -16,7 +16,9 @@ import httpx
 import pytest
 
 from prefix_router.config import PrefixMode
+from prefix_router.fleet import Fleet
 from prefix_router.prefix_key import KeySettings, extract_key
+from prefix_router.ring import Ring
 from tests.conftest import ProcessReaper
 from tests.support.load import Load
 from tests.support.redis_ns import fresh_store, unique_namespace
@@ -64,6 +66,15 @@ def test_instances_join_and_leave_under_load_without_a_failed_request(
         wait_until(lambda: load.first_from(new, asked) is not None, 3, "the new instance serves")
         first = load.first_from(new, asked)
         assert first is not None and first - asked < 1.0, first - asked
+        time.sleep(max(0.0, asked + 2.0 - time.monotonic()))
+        # ext_proc's ring mirror is Envoy's ring: the header it set picks the instance served.
+        fleet = Fleet.from_json_dict(admin.get("/instances").json())
+        ring = Ring.build(fleet.routable, minimum_ring_size=256 * 3)
+        settled = [o for o in load.outcomes if o.started > asked + 1.0]
+        assert len(settled) > 50
+        for o in settled:
+            picked = ring.pick(o.prefix_key or "")
+            assert picked is not None and str(picked.port) == o.backend, o
 
         removing = time.monotonic()
         r = admin.delete(f"/instances/127.0.0.1:{old}")

@@ -18,6 +18,7 @@ class Outcome:
     status: int
     """HTTP status, or 0 when the request failed without one."""
     backend: str | None
+    prefix_key: str | None = None
     error: str | None = None
 
 
@@ -51,10 +52,14 @@ class Load:
                 started = time.monotonic()
                 try:
                     r = client.post(f"{self.url}/v1/chat/completions", content=body)
-                    backend = r.json().get("backend") if r.status_code == 200 else None
-                    self.outcomes.append(Outcome(started, r.status_code, backend))
+                    answer = r.json() if r.status_code == 200 else {}
+                    self.outcomes.append(
+                        Outcome(
+                            started, r.status_code, answer.get("backend"), answer.get("prefix_key")
+                        )
+                    )
                 except (httpx.HTTPError, ValueError) as exc:
-                    self.outcomes.append(Outcome(started, 0, None, repr(exc)))
+                    self.outcomes.append(Outcome(started, 0, None, error=repr(exc)))
 
     def failures(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.status != 200]
