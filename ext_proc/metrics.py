@@ -68,6 +68,11 @@ class PrometheusCallbacks(RouterCallbacks):
             "ext_proc gRPC streams open right now (one per request in flight through Envoy).",
             registry=self.registry,
         )
+        self.asyncio_tasks = Gauge(
+            "prefix_router_ext_proc_asyncio_tasks",
+            "asyncio tasks alive in this process (a leak shows as growth at rest).",
+            registry=self.registry,
+        )
         for outcome in (*Outcome, "error"):
             self.decisions.labels(str(outcome))
         for reason in Fallback:

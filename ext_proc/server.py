@@ -51,7 +51,9 @@ async def serve(
     )
     servicer = ExternalProcessor(router)
     if isinstance(router.callbacks, PrometheusCallbacks):
+        loop = asyncio.get_running_loop()
         router.callbacks.open_streams.set_function(lambda: servicer.open_streams)
+        router.callbacks.asyncio_tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
     pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
     health_servicer = health.aio.HealthServicer()
     health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
