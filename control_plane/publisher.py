@@ -4,6 +4,11 @@
 every (fleet, config) version read from Redis becomes one snapshot, checked
 with ``consistent()`` before Envoys see it. A snapshot that cannot be built or
 is inconsistent is logged and not published; Envoys keep the last good one.
+
+Versions only grow. A state older than the one published means Redis lost
+data (a flush, a failover to a stale replica), so it is refused rather than,
+say, publishing an empty fleet to every Envoy; a restarted control plane
+re-seeds an empty namespace from its start-up files.
 """
 
 from __future__ import annotations
@@ -36,6 +41,19 @@ class Publisher:
         self.config_version = 0
 
     def on_state(self, fleet: Fleet, config: RouterConfig, config_version: int) -> None:
+        if self.fleet is not None and (
+            fleet.version < self.fleet.version or config_version < self.config_version
+        ):
+            log.error(
+                "shared state went back (fleet %d -> %d, config %d -> %d): Redis lost data? "
+                "keeping snapshot %s",
+                self.fleet.version,
+                fleet.version,
+                self.config_version,
+                config_version,
+                self.published.version if self.published else None,
+            )
+            return
         try:
             snapshot = build_snapshot(fleet, config, config_version=config_version)
             snapshot.consistent()

@@ -17,6 +17,7 @@ from google.rpc import status_pb2
 from control_plane.ads import AdsServer
 from control_plane.cache import ALL_NODES, SnapshotCache
 from control_plane.callbacks import ClientRegistry
+from control_plane.publisher import Publisher
 from control_plane.snapshot import (
     CLUSTER_TYPE,
     ENDPOINT_TYPE,
@@ -100,6 +101,18 @@ def test_a_published_snapshot_cannot_be_changed() -> None:
     s = snap()
     with pytest.raises(TypeError):
         s.resources[CLUSTER_TYPE]["other"] = s.resources[CLUSTER_TYPE]["models"]  # type: ignore[index]
+
+
+def test_the_publisher_never_goes_back_to_an_older_state() -> None:
+    cache = SnapshotCache()
+    publisher = Publisher(cache)
+    publisher.on_state(Fleet.of([A, B], version=5), RouterConfig(), 2)
+    publisher.on_state(Fleet.of([], version=0), RouterConfig(), 0)  # Redis was flushed
+    published = cache.get_snapshot(ALL_NODES)
+    assert published is not None and published.version == "5.2"
+    publisher.on_state(Fleet.of([A], version=6), RouterConfig(), 2)
+    published = cache.get_snapshot(ALL_NODES)
+    assert published is not None and published.version == "6.2"
 
 
 # -- ADS over gRPC -------------------------------------------------------------
