@@ -38,7 +38,9 @@ def chat_body(size: int) -> bytes:
     return json.dumps(body).encode()
 
 
-def run_wrk(url: str, body: bytes, *, connections: int, threads: int, seconds: int) -> dict[str, float]:
+def run_wrk(
+    url: str, body: bytes, *, connections: int, threads: int, seconds: int
+) -> dict[str, float]:
     """p50/p99 latency (ms) and requests/s of ``POST url`` with ``body``."""
     with tempfile.TemporaryDirectory() as tmp:
         body_file = Path(tmp) / "body.json"
@@ -51,10 +53,22 @@ def run_wrk(url: str, body: bytes, *, connections: int, threads: int, seconds: i
         )
         out = subprocess.run(
             [
-                require_wrk(), "-t", str(threads), "-c", str(connections), "-d", f"{seconds}s",
-                "--latency", "-s", str(script), url,
+                require_wrk(),
+                "-t",
+                str(threads),
+                "-c",
+                str(connections),
+                "-d",
+                f"{seconds}s",
+                "--latency",
+                "-s",
+                str(script),
+                url,
             ],
-            capture_output=True, text=True, check=True, timeout=seconds + 30,
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=seconds + 30,
         ).stdout
     result = {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))}  # type: ignore[union-attr]
     for pct in ("50", "99"):

@@ -37,8 +37,13 @@ def main() -> None:
     try:
         ports = [free_port() for _ in range(3)]
         started.append(
-            start_module("backends", "tests.support.echo_backend", [str(p) for p in ports], logs,
-                         ready_ports=ports)
+            start_module(
+                "backends",
+                "tests.support.echo_backend",
+                [str(p) for p in ports],
+                logs,
+                ready_ports=ports,
+            )
         )
         fleet = Fleet.of([Instance("127.0.0.1", p) for p in ports])
         config = RouterConfig()
@@ -52,18 +57,28 @@ def main() -> None:
         for name, eps in (("direct", ()), ("ext_proc", tuple(("127.0.0.1", p) for p in ep_ports))):
             params = BootstrapParams(listen_port=free_port(), admin_port=free_port(), ext_proc=eps)
             started.append(
-                start_envoy(params, config, logs, fleet=fleet, name=f"envoy-{name}",
-                            concurrency=args.envoy_concurrency)
+                start_envoy(
+                    params,
+                    config,
+                    logs,
+                    fleet=fleet,
+                    name=f"envoy-{name}",
+                    concurrency=args.envoy_concurrency,
+                )
             )
             urls[name] = f"http://127.0.0.1:{params.listen_port}/v1/chat/completions"
 
         rows = []
         for size in (1024, 64 * 1024):
             body = chat_body(size)
-            r = {name: run_wrk(url, body, connections=1, threads=1, seconds=args.seconds)
-                 for name, url in urls.items()}
-            t = {name: run_wrk(url, body, connections=16, threads=2, seconds=args.seconds)
-                 for name, url in urls.items()}
+            r = {
+                name: run_wrk(url, body, connections=1, threads=1, seconds=args.seconds)
+                for name, url in urls.items()
+            }
+            t = {
+                name: run_wrk(url, body, connections=16, threads=2, seconds=args.seconds)
+                for name, url in urls.items()
+            }
             rows.append(
                 f"| {size // 1024} KB | {r['direct']['p50']:.2f} | {r['ext_proc']['p50']:.2f} | "
                 f"**{r['ext_proc']['p50'] - r['direct']['p50']:+.2f}** | "
@@ -78,8 +93,8 @@ def main() -> None:
                 f"load store: {'Redis' if args.redis_url else 'in-process'}",
                 "",
                 "| body | p50 direct ms | p50 via ext_proc ms | added p50 ms | p99 direct ms "
-                "| p99 via ext_proc ms | added p99 ms | req/s direct (c16) | req/s via ext_proc (c16) "
-                "| non-2xx |",
+                "| p99 via ext_proc ms | added p99 ms | req/s direct (c16) "
+                "| req/s via ext_proc (c16) | non-2xx |",
                 "|---|---|---|---|---|---|---|---|---|---|",
                 *rows,
             ]
