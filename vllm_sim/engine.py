@@ -45,6 +45,41 @@ class GenerationParams:
     seed: int | None = None
 
 
+def build_sequence(
+    config: EngineConfig, params: GenerationParams, *, request_id: str, arrival_time: float
+) -> Sequence:
+    """The engine's view of one request: checked, its output decided, its blocks hashed.
+
+    Pure, so the discrete-event simulation (``prefix_router.bench.des``) builds requests
+    exactly as :meth:`Engine.submit` does. Raises :class:`BadRequestError` if the request
+    can never fit the context.
+    """
+    prompt = params.prompt
+    limit = config.effective_max_model_len
+    if not prompt:
+        raise BadRequestError("the prompt is empty", param="prompt")
+    if len(prompt) + params.max_tokens > limit:
+        raise BadRequestError(
+            f"This model's maximum context length is {limit} tokens. However, you requested "
+            f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the messages, "
+            f"{params.max_tokens} in the completion). Please reduce the length of the "
+            "messages or completion.",
+            param="max_tokens",
+        )
+    seed = zlib.crc32(array("Q", prompt).tobytes(), params.seed or 0) ^ params.max_tokens
+    n_out = params.max_tokens if params.ignore_eos else 1 + (seed >> 3) % params.max_tokens
+    output = generate_output(seed, n_out)
+    hashes = hash_blocks(
+        prompt + output, block_size=config.block_size,
+        seed=hash_seed(params.model or config.model, params.cache_salt),
+    )
+    return new_sequence(
+        request_id=request_id, prompt=prompt, output=output,
+        finish_reason="length" if n_out == params.max_tokens else "stop",
+        arrival_time=arrival_time, hashes=hashes,
+    )
+
+
 class RequestHandle:
     """Consumer side of one request: progress, completion and a way to wait for either."""
 
@@ -135,34 +170,10 @@ class Engine:
         config = self.config
         if self._closed:
             raise EngineStoppedError("the engine is stopped")
-        prompt = params.prompt
-        limit = config.effective_max_model_len
-        if not prompt:
-            raise BadRequestError("the prompt is empty", param="prompt")
-        if len(prompt) + params.max_tokens > limit:
-            raise BadRequestError(
-                f"This model's maximum context length is {limit} tokens. However, you requested "
-                f"{len(prompt) + params.max_tokens} tokens ({len(prompt)} in the messages, "
-                f"{params.max_tokens} in the completion). Please reduce the length of the "
-                "messages or completion.",
-                param="max_tokens",
-            )
-        seed = zlib.crc32(array("Q", prompt).tobytes(), params.seed or 0) ^ params.max_tokens
-        n_out = params.max_tokens if params.ignore_eos else 1 + (seed >> 3) % params.max_tokens
-        output = generate_output(seed, n_out)
-        tokens = prompt + output
-        hashes = hash_blocks(
-            tokens, block_size=config.block_size,
-            seed=hash_seed(params.model or config.model, params.cache_salt),
-        )
         rid = request_id if request_id is not None else f"req-{next(self._ids)}"
         while rid in self._handles:
             rid = f"{rid}-{next(self._ids)}"
-        seq = new_sequence(
-            request_id=rid, prompt=prompt, output=output,
-            finish_reason="length" if n_out == params.max_tokens else "stop",
-            arrival_time=self.now(), hashes=hashes,
-        )
+        seq = build_sequence(config, params, request_id=rid, arrival_time=self.now())
         handle = RequestHandle(seq)
         self._handles[rid] = handle
         self.scheduler.add(seq)
