@@ -323,8 +323,9 @@ async def watch_state(
     """Call ``on_change(fleet, config, config_version)`` on start and on every change.
 
     Subscribes to ``<ns>changed`` and re-reads at least every ``interval``
-    seconds; calls ``on_change`` only when a version moved. Redis errors are
-    logged once per outage and retried; this returns only when ``stop`` is set.
+    seconds; calls ``on_change`` only when a version moved (again at the next
+    wake-up if it raised). Redis errors are logged once per outage and retried;
+    this returns only when ``stop`` is set.
     """
     stop = stop or asyncio.Event()
     store = StateStore.from_url(redis_url, namespace)
@@ -341,12 +342,15 @@ async def watch_state(
                         failing = False
                         log.warning("shared state readable again")
                     if state.versions != last:
-                        last = state.versions
-                        result = on_change(
-                            state.fleet.fleet, state.config.config, state.config.version
-                        )
-                        if result is not None:
-                            await result
+                        try:
+                            result = on_change(
+                                state.fleet.fleet, state.config.config, state.config.version
+                            )
+                            if result is not None:
+                                await result
+                            last = state.versions
+                        except Exception:  # the follower must outlive a bad callback
+                            log.exception("applying state %s failed; retrying", state.versions)
                     await _next_message(pubsub, interval, stop)
             except (StateError, RedisError, OSError) as exc:
                 if not failing:

@@ -156,3 +156,29 @@ async def test_delete_namespace_removes_every_key(store: StateStore) -> None:
     assert await store.in_flight() == {A.id: 3}
     assert await store.delete_namespace() == 3
     assert await store.redis.exists(store.keys.fleet, store.keys.audit, store.keys.inflight) == 0
+
+
+async def test_watch_state_survives_a_failing_callback(store: StateStore) -> None:
+    calls: list[int] = []
+    stop = asyncio.Event()
+
+    def flaky(fleet: Fleet, config: RouterConfig, version: int) -> None:
+        calls.append(fleet.version)
+        if len(calls) == 1:
+            raise RuntimeError("boom")
+
+    task = asyncio.create_task(
+        watch_state(REDIS_URL, store.keys.namespace, flaky, interval=0.1, stop=stop)
+    )
+    try:
+        deadline = time.monotonic() + 2
+        while len(calls) < 2 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert calls[:2] == [0, 0]  # retried after the failure
+        await store.update_fleet(add(A))
+        while calls[-1] != 1 and time.monotonic() < deadline:
+            await asyncio.sleep(0.02)
+        assert calls[-1] == 1 and not task.done()
+    finally:
+        stop.set()
+        await asyncio.wait_for(task, 5)
