@@ -10,6 +10,7 @@ Two fleet sources:
 
 from __future__ import annotations
 
+import ipaddress
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -49,12 +50,26 @@ class BootstrapParams:
     ext_proc_timeout_ms: int = 200
 
 
+def _is_ip_literal(host: str) -> bool:
+    try:
+        ipaddress.ip_address(host)
+    except ValueError:
+        return False
+    return True
+
+
 def _static_cluster(
     name: str, hosts: tuple[tuple[str, int], ...], *, http2: bool
 ) -> dict[str, Any]:
+    """A fixed cluster of ``hosts``: STATIC for IP literals, STRICT_DNS once any is a name.
+
+    With a name (a compose service, a Kubernetes headless Service) Envoy resolves every
+    A/AAAA record and re-resolves periodically, so all replicas behind it are used.
+    """
+    by_ip = all(_is_ip_literal(h) for h, _ in hosts)
     cluster: dict[str, Any] = {
         "name": name,
-        "type": "STATIC",
+        "type": "STATIC" if by_ip else "STRICT_DNS",
         "connect_timeout": "0.25s",
         "lb_policy": "ROUND_ROBIN",
         "load_assignment": {
@@ -73,6 +88,8 @@ def _static_cluster(
             ],
         },
     }
+    if not by_ip:
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
     if http2:
         options = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
         cluster["typed_extension_protocol_options"] = {

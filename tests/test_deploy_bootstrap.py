@@ -1,0 +1,147 @@
+"""``prefix-router envoy-bootstrap``: the bootstrap containers render before Envoy starts."""
+
+from __future__ import annotations
+
+import subprocess
+from pathlib import Path
+from typing import Any
+
+import pytest
+import yaml
+
+from prefix_router.cli import main as cli_main
+from prefix_router.envoy_bootstrap_cli import build, main, parse_host_port
+from prefix_router.errors import ConfigError
+from prefix_router.procs import envoy_binary
+
+CONTAINER_ARGS = [
+    "--listen-address", "0.0.0.0",
+    "--admin-address", "0.0.0.0",
+    "--ext-proc", "ext-proc:50051",
+    "--xds", "control-plane:18000",
+    "--node-id", "envoy-a",
+]
+
+
+def _render(tmp_path: Path, args: list[str]) -> dict[str, Any]:
+    out = tmp_path / "envoy.yaml"
+    assert main([*args, "--out", str(out)]) == 0
+    doc = yaml.safe_load(out.read_text())
+    assert isinstance(doc, dict)
+    return doc
+
+
+def _clusters(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
+    return {c["name"]: c for c in doc["static_resources"]["clusters"]}
+
+
+def _hosts(cluster: dict[str, Any]) -> list[tuple[str, int]]:
+    return [
+        (e["endpoint"]["address"]["socket_address"]["address"],
+         e["endpoint"]["address"]["socket_address"]["port_value"])
+        for group in cluster["load_assignment"]["endpoints"]
+        for e in group["lb_endpoints"]
+    ]
+
+
+def test_hostnames_make_strict_dns_clusters(tmp_path: Path) -> None:
+    doc = _render(tmp_path, CONTAINER_ARGS)
+    clusters = _clusters(doc)
+    assert set(clusters) == {"ext_proc", "xds"}  # the model cluster comes over CDS
+    for name, host in (("ext_proc", ("ext-proc", 50051)), ("xds", ("control-plane", 18000))):
+        assert clusters[name]["type"] == "STRICT_DNS"
+        assert clusters[name]["dns_lookup_family"] == "V4_PREFERRED"
+        assert _hosts(clusters[name]) == [host]
+    assert doc["node"]["id"] == "envoy-a"
+    assert doc["dynamic_resources"]["cds_config"] == {"ads": {}, "resource_api_version": "V3"}
+    listener = doc["static_resources"]["listeners"][0]["address"]["socket_address"]
+    assert listener == {"address": "0.0.0.0", "port_value": 8080}
+    assert doc["admin"]["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 9901}
+
+
+def test_ip_literals_keep_static_clusters(tmp_path: Path) -> None:
+    doc = _render(
+        tmp_path,
+        ["--ext-proc", "127.0.0.1:50051", "--ext-proc", "[::1]:50052", "--xds", "10.1.2.3:18000"],
+    )
+    clusters = _clusters(doc)
+    assert clusters["ext_proc"]["type"] == "STATIC"
+    assert "dns_lookup_family" not in clusters["ext_proc"]
+    assert _hosts(clusters["ext_proc"]) == [("127.0.0.1", 50051), ("::1", 50052)]
+    assert clusters["xds"]["type"] == "STATIC"
+
+
+def test_one_name_among_ips_makes_the_cluster_strict_dns(tmp_path: Path) -> None:
+    doc = _render(tmp_path, ["--ext-proc", "127.0.0.1:1", "--ext-proc", "ext-proc:2", "--xds",
+                             "127.0.0.1:3"])
+    assert _clusters(doc)["ext_proc"]["type"] == "STRICT_DNS"
+
+
+def test_static_fleet_from_a_fleet_file(tmp_path: Path) -> None:
+    fleet = tmp_path / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump({"instances": [{"address": "10.0.0.7", "port": 8000}]}))
+    config = tmp_path / "routing.yaml"
+    config.write_text(yaml.safe_dump({"routing": {"retry": {"enabled": False}}}))
+    doc = _render(tmp_path, ["--ext-proc", "127.0.0.1:1", "--fleet", str(fleet),
+                             "--config", str(config)])
+    clusters = _clusters(doc)
+    assert "dynamic_resources" not in doc
+    assert clusters["models"]["lb_policy"] == "RING_HASH"
+    assert _hosts(clusters["models"]) == [("10.0.0.7", 8000)]
+
+
+def test_env_fallbacks_and_flags_win() -> None:
+    env = {
+        "PREFIX_ROUTER_BOOTSTRAP_EXT_PROC": "a:1,b:2",
+        "PREFIX_ROUTER_BOOTSTRAP_XDS": "cp:18000",
+        "PREFIX_ROUTER_BOOTSTRAP_LISTEN_PORT": "10000",
+        "PREFIX_ROUTER_BOOTSTRAP_NODE_ID": "from-env",
+    }
+    params, _, fleet, out = build([], env)
+    assert params.ext_proc == (("a", 1), ("b", 2))
+    assert params.xds == ("cp", 18000)
+    assert (params.listen_port, params.node_id, fleet, out) == (10000, "from-env", None, None)
+    params, *_ = build(["--ext-proc", "c:3", "--node-id", "flag"], env)
+    assert params.ext_proc == (("c", 3),) and params.node_id == "flag"
+
+
+@pytest.mark.parametrize(
+    "argv",
+    [
+        [],  # no ext_proc
+        ["--ext-proc", "a:1"],  # neither --xds nor --fleet
+        ["--ext-proc", "a:1", "--xds", "b:2", "--fleet", "f.yaml"],
+        ["--ext-proc", "a", "--xds", "b:2"],
+        ["--ext-proc", "a:0", "--xds", "b:2"],
+        ["--ext-proc", "a:1", "--xds", "b:2", "--listen-port", "x"],
+        ["--ext-proc", "a:1", "--xds", "b:2", "--listen-port", "9901"],
+    ],
+)
+def test_bad_flags_are_config_errors(argv: list[str]) -> None:
+    with pytest.raises(ConfigError):
+        build(argv, {})
+
+
+def test_parse_host_port() -> None:
+    assert parse_host_port("ext-proc:50051") == ("ext-proc", 50051)
+    assert parse_host_port("[fd00::1]:80") == ("fd00::1", 80)
+    for bad in ("::1:80", "[::1]", "host:", ":80", "h:65536"):
+        with pytest.raises(ConfigError):
+            parse_host_port(bad)
+
+
+def test_cli_prints_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
+    assert cli_main(["envoy-bootstrap", *CONTAINER_ARGS]) == 0
+    assert _clusters(yaml.safe_load(capsys.readouterr().out))["xds"]["type"] == "STRICT_DNS"
+    assert cli_main(["envoy-bootstrap", "--ext-proc", "a:1"]) == 2  # ConfigError -> exit 2
+
+
+def test_envoy_accepts_the_container_bootstrap(tmp_path: Path) -> None:
+    """The real Envoy validates the rendered bootstrap (no DNS lookups in validate mode)."""
+    out = tmp_path / "envoy.yaml"
+    assert main([*CONTAINER_ARGS, "--out", str(out)]) == 0
+    result = subprocess.run(
+        [envoy_binary(), "--mode", "validate", "-c", str(out)],
+        capture_output=True, text=True, timeout=60,
+    )
+    assert result.returncode == 0, result.stdout + result.stderr
