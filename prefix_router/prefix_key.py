@@ -29,6 +29,7 @@ most PrefixLength bytes of rendering (~20 us for a 64 KB chat body).
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from dataclasses import dataclass
 from enum import StrEnum
 from typing import Any
@@ -89,14 +90,14 @@ def extract_key(
     ``complete`` is False when Envoy sent only the first part of a body larger
     than its buffer: ``openai`` mode then keys on the raw bytes.
     """
+    limit = settings.prefix_length
     if settings.mode is PrefixMode.OPENAI:
         try:
-            salt, rendered = _render_openai(body, path=path, complete=complete)
+            salt, prefix = _render_openai(body, path=path, complete=complete, limit=limit)
         except _Unrenderable as why:
-            return PrefixKey(_digest(tenant, "", body[: settings.prefix_length]), why.reason)
-        encoded = rendered.encode("utf-8", "surrogatepass")[: settings.prefix_length]
-        return PrefixKey(_digest(tenant, salt, encoded))
-    return PrefixKey(_digest(tenant, "", body[: settings.prefix_length]))
+            return PrefixKey(_digest(tenant, "", body[:limit]), why.reason)
+        return PrefixKey(_digest(tenant, salt, prefix))
+    return PrefixKey(_digest(tenant, "", body[:limit]))
 
 
 def _digest(tenant: str, salt: str, prefix: bytes) -> str:
@@ -111,8 +112,12 @@ def _path_only(path: str) -> str:
     return path.split("?", 1)[0]
 
 
-def _render_openai(body: bytes, *, path: str, complete: bool) -> tuple[str, str]:
-    """``(cache_salt, canonical rendering)`` or :class:`_Unrenderable`."""
+def _render_openai(body: bytes, *, path: str, complete: bool, limit: int) -> tuple[str, bytes]:
+    """``(cache_salt, first limit bytes of the canonical rendering)`` or :class:`_Unrenderable`.
+
+    Parts are rendered lazily and only until ``limit`` bytes exist: what lies past
+    the prefix is never examined.
+    """
     route = _path_only(path)
     if route not in OPENAI_PATHS:
         raise _Unrenderable(Fallback.OTHER_PATH)
@@ -130,15 +135,7 @@ def _render_openai(body: bytes, *, path: str, complete: bool) -> tuple[str, str]
         salt = request.get("cache_salt") or ""
         if not isinstance(salt, str):
             raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
-        parts = [_text(request.get("model", "")), _canonical_json(request.get("tools"))]
-        if route == "/v1/chat/completions":
-            parts.extend(_render_messages(request.get("messages")))
-        elif route == "/v1/completions":
-            parts.append(_render_prompt(request.get("prompt")))
-        else:
-            parts.append(_text(request.get("instructions") or ""))
-            parts.extend(_render_responses_input(request.get("input")))
-        return salt, _RECORD.join(parts)
+        return salt, _first_bytes(_render_parts(request, route), limit)
     except _Unrenderable:
         raise
     except (
@@ -150,6 +147,35 @@ def _render_openai(body: bytes, *, path: str, complete: bool) -> tuple[str, str]
         orjson.JSONEncodeError,
     ):
         raise _Unrenderable(Fallback.UNEXPECTED_SHAPE) from None
+
+
+def _render_parts(request: dict[str, Any], route: str) -> Iterator[str]:
+    yield _text(request.get("model", ""))
+    yield _canonical_json(request.get("tools"))
+    if route == "/v1/chat/completions":
+        yield from _render_messages(request.get("messages"))
+    elif route == "/v1/completions":
+        yield _render_prompt(request.get("prompt"))
+    else:
+        yield _text(request.get("instructions") or "")
+        yield from _render_responses_input(request.get("input"))
+
+
+def _first_bytes(parts: Iterator[str], limit: int) -> bytes:
+    """The first ``limit`` bytes of the parts joined by a record separator.
+
+    A str of n characters encodes to at least n bytes, so each part is cut to the
+    characters still needed before encoding: a 64 KB message costs what its
+    prefix costs.
+    """
+    out = bytearray()
+    for index, part in enumerate(parts):
+        if index:
+            out += b"\x1e"
+        out += part[: limit - len(out)].encode("utf-8", "surrogatepass")
+        if len(out) >= limit:
+            break
+    return bytes(out[:limit])
 
 
 def _text(value: Any) -> str:
@@ -164,10 +190,9 @@ def _canonical_json(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
 
 
-def _render_messages(messages: Any) -> list[str]:
+def _render_messages(messages: Any) -> Iterator[str]:
     if not isinstance(messages, list) or not messages:
         raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
-    out = []
     for message in messages:
         if not isinstance(message, dict):
             raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
@@ -177,8 +202,7 @@ def _render_messages(messages: Any) -> list[str]:
                 rendered += _FIELD + _text(message[extra])
         if message.get("tool_calls"):
             rendered += _FIELD + _canonical_json(message["tool_calls"])
-        out.append(rendered)
-    return out
+        yield rendered
 
 
 def _render_content(content: Any) -> str:
@@ -217,9 +241,10 @@ def _render_prompt(prompt: Any) -> str:
     raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
 
 
-def _render_responses_input(items: Any) -> list[str]:
+def _render_responses_input(items: Any) -> Iterator[str]:
     if isinstance(items, str):
-        return ["user" + _FIELD + items]
-    if isinstance(items, list) and items:
-        return _render_messages([i for i in items if isinstance(i, dict) and "role" in i])
-    raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
+        yield "user" + _FIELD + items
+    elif isinstance(items, list) and items:
+        yield from _render_messages([i for i in items if isinstance(i, dict) and "role" in i])
+    else:
+        raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
