@@ -107,7 +107,7 @@ class RequestRouter:
                 backstop = STORE_WAIT_FACTOR * table.config.redis_timeout_ms / 1000
                 async with asyncio.timeout(backstop):
                     reservation = await self.store.reserve(
-                        [ids[c] for c in candidates], table.spill, len(ids)
+                        [ids[c] for c in candidates], table.spill, len(ids), request_id
                     )
                 chosen = reservation.index
                 reserved = ids[candidates[chosen]]

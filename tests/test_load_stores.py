@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import json
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 
@@ -138,5 +139,23 @@ async def test_redis_down_raises_loads_unavailable_quickly() -> None:
                 await store.reserve(IDS, BOUNDED, 3)
         assert loop.time() - started < 0.5
         assert caught.type.__name__ in ("LoadsUnavailable", "TimeoutError")
+    finally:
+        await store.close()
+
+
+async def test_redis_counts_decisions_and_keeps_recent_spills(namespace: str) -> None:
+    store = await RedisLoadStore.connect(REDIS_URL, namespace=namespace)
+    try:
+        for i in range(4):
+            await store.reserve(IDS, BOUNDED, 3, request_id=f"req-{i}")
+        client = aioredis.Redis.from_url(REDIS_URL)
+        assert await client.hgetall(f"{namespace}decisions") == {b"home": b"2", b"spilled": b"2"}
+        spills = [json.loads(s) for s in await client.lrange(f"{namespace}spills", 0, -1)]
+        await client.aclose()
+        assert [(s["request_id"], s["home"], s["to"]) for s in spills] == [
+            ("req-3", "a", "b"),
+            ("req-2", "a", "b"),
+        ]
+        assert spills[0]["home_in_flight"] == 2 and spills[0]["time"] > 1.7e9
     finally:
         await store.close()

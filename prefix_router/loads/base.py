@@ -23,7 +23,11 @@ class Reservation:
 
 class LoadStore(Protocol):
     async def reserve(
-        self, candidates: Sequence[str], rule: SpillRule, fleet_size: int
+        self,
+        candidates: Sequence[str],
+        rule: SpillRule,
+        fleet_size: int,
+        request_id: str = "",
     ) -> Reservation:
         """Atomically choose a candidate by ``rule`` and count one request on it."""
         ...

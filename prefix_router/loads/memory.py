@@ -17,7 +17,11 @@ class InMemoryLoadStore:
         self._total = 0
 
     async def reserve(
-        self, candidates: Sequence[str], rule: SpillRule, fleet_size: int
+        self,
+        candidates: Sequence[str],
+        rule: SpillRule,
+        fleet_size: int,
+        request_id: str = "",
     ) -> Reservation:
         loads = tuple(self._counts[c] for c in candidates)
         index = choose(loads, rule, fleet_total=self._total, fleet_size=fleet_size)

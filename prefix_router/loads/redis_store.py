@@ -6,6 +6,9 @@ Layout (``ns`` is the namespace, e.g. ``prefix-router:``):
 ``{ns}inflight:{replica}``  hash  instance id -> this replica's share of it
 ``{ns}replicas``            set   replicas that may hold counts
 ``{ns}alive:{replica}``     key   heartbeat, expires ``HEARTBEAT_TTL_S`` after the last beat
+``{ns}decisions``           hash  outcome (home, spilled) -> decisions counted in Redis
+``{ns}spills``              list  the last 100 spills, newest first, as JSON
+                                  ``{time, home, to, home_in_flight, request_id}``
 
 Reserve is one Lua call: it reads the candidates' counts, applies the spill
 rule (the same rule as :func:`prefix_router.spill.choose`) and increments the
@@ -41,12 +44,14 @@ log = logging.getLogger("prefix_router.loads")
 HEARTBEAT_S = 1.0
 HEARTBEAT_TTL_S = 3.0
 
-# KEYS: fleet hash, replica hash. ARGV: policy, threshold, load_factor, fleet_size, ids...
+# KEYS: fleet hash, replica hash, decisions hash, spills list.
+# ARGV: policy, threshold, load_factor, fleet_size, request id, candidate ids...
 _RESERVE = """
 local policy = ARGV[1]
 local limit = tonumber(ARGV[2])
-local n = #ARGV - 4
-local raw = redis.call('HMGET', KEYS[1], unpack(ARGV, 5))
+local first = 6
+local n = #ARGV - first + 1
+local raw = redis.call('HMGET', KEYS[1], unpack(ARGV, first))
 local loads = {}
 for i = 1, n do loads[i] = math.max(0, tonumber(raw[i]) or 0) end
 local chosen = 1
@@ -68,8 +73,19 @@ if policy ~= 'none' then
     end
   end
 end
-redis.call('HINCRBY', KEYS[1], ARGV[4 + chosen], 1)
-redis.call('HINCRBY', KEYS[2], ARGV[4 + chosen], 1)
+local id = ARGV[first + chosen - 1]
+redis.call('HINCRBY', KEYS[1], id, 1)
+redis.call('HINCRBY', KEYS[2], id, 1)
+if chosen == 1 then
+  redis.call('HINCRBY', KEYS[3], 'home', 1)
+else
+  redis.call('HINCRBY', KEYS[3], 'spilled', 1)
+  local now = redis.call('TIME')
+  redis.call('LPUSH', KEYS[4], cjson.encode({
+    time = tonumber(now[1]) + tonumber(now[2]) / 1e6, home = ARGV[first], to = id,
+    home_in_flight = loads[1], request_id = ARGV[5]}))
+  redis.call('LTRIM', KEYS[4], 0, 99)
+end
 loads[n + 1] = chosen - 1
 return loads
 """
@@ -151,6 +167,12 @@ class RedisLoadStore:
         self.share_key = f"{namespace}inflight:{self.replica}"
         self.replicas_key = f"{namespace}replicas"
         self.alive_key = f"{namespace}alive:{self.replica}"
+        self.reserve_keys = [
+            self.fleet_key,
+            self.share_key,
+            f"{namespace}decisions",
+            f"{namespace}spills",
+        ]
         self._reserve = client.register_script(_RESERVE)
         self._release = client.register_script(_RELEASE)
         self._rewrite = client.register_script(_REWRITE_SHARE)
@@ -193,10 +215,21 @@ class RedisLoadStore:
         ]
 
     async def reserve(
-        self, candidates: Sequence[str], rule: SpillRule, fleet_size: int
+        self,
+        candidates: Sequence[str],
+        rule: SpillRule,
+        fleet_size: int,
+        request_id: str = "",
     ) -> Reservation:
         future: asyncio.Future[Reservation] = asyncio.get_running_loop().create_future()
-        args = [rule.policy.value, rule.threshold, rule.load_factor, fleet_size, *candidates]
+        args = [
+            rule.policy.value,
+            rule.threshold,
+            rule.load_factor,
+            fleet_size,
+            request_id,
+            *candidates,
+        ]
         self._reserves.append((args, candidates, future))
         self._wake.set()
         return await future
@@ -230,7 +263,7 @@ class RedisLoadStore:
                 async with asyncio.timeout(self.round_trip_timeout_s):
                     async with self.redis.pipeline(transaction=False) as pipe:
                         for args, _, _ in reserves:
-                            await self._reserve(keys=keys, args=args, client=pipe)
+                            await self._reserve(keys=self.reserve_keys, args=args, client=pipe)
                         if releases:
                             await self._release(keys=keys, args=releases, client=pipe)
                         results = await pipe.execute(raise_on_error=False)
