@@ -22,6 +22,8 @@ from typing import Any
 import pytest
 import yaml
 
+from control_plane.server import load_fleet_file
+from prefix_router.config import load_config_file
 from prefix_router.envoy_bootstrap_cli import build as build_bootstrap
 from prefix_router.envoy_bootstrap_cli import parse_host_port
 from prefix_router.launch import start_ext_proc, start_module
@@ -199,7 +201,9 @@ def test_control_plane_and_envoy_agree(compose: dict[str, Any]) -> None:
     # Both read the same routing config, from a file that exists and validates.
     config = _container_path(services["control-plane"], cp.one("--config"))
     assert config == _container_path(services["envoy"], boot.one("--config"))
-    assert config.is_file()
+    load_config_file(str(config))
+    for fleet in ("fleet.yaml", "fleet-gpu.yaml"):
+        load_fleet_file(str(COMPOSE_DIR / fleet))
 
 
 def test_ext_proc_matches_envoy_and_redis(compose: dict[str, Any]) -> None:
