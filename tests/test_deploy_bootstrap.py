@@ -2,17 +2,23 @@
 
 from __future__ import annotations
 
+import asyncio
 import subprocess
 from pathlib import Path
 from typing import Any
 
+import httpx
 import pytest
 import yaml
 
 from prefix_router.cli import main as cli_main
 from prefix_router.envoy_bootstrap_cli import build, main, parse_host_port
 from prefix_router.errors import ConfigError
-from prefix_router.procs import envoy_binary
+from prefix_router.launch import start_envoy, start_ext_proc, start_module
+from prefix_router.procs import envoy_binary, free_port
+from tests.conftest import REDIS_URL, ProcessReaper
+from tests.support.redis_ns import fresh_store, unique_namespace
+from tests.support.xds_stack import start_backends, wait_until
 
 CONTAINER_ARGS = [
     "--listen-address", "0.0.0.0",
@@ -145,3 +151,63 @@ def test_envoy_accepts_the_container_bootstrap(tmp_path: Path) -> None:
         capture_output=True, text=True, timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+@pytest.mark.e2e
+def test_names_resolve_through_real_envoy(procs: ProcessReaper, log_dir: Path) -> None:
+    """ext_proc and the control plane given by name (STRICT_DNS), as in a container."""
+    namespace = unique_namespace()
+    backend = free_port()
+    start_backends(procs, log_dir, [backend], "backend")
+    fleet = log_dir / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump({"instances": [{"address": "127.0.0.1", "port": backend}]}))
+    xds, admin = free_port(), free_port()
+    try:
+        procs.add(start_module(
+            "control-plane", "prefix_router",
+            ["control-plane", "--xds-port", str(xds), "--admin-port", str(admin),
+             "--redis-url", REDIS_URL, "--namespace", namespace, "--fleet", str(fleet)],
+            log_dir, ready_ports=[xds, admin], env={"PREFIX_ROUTER_ADMIN_TOKEN": "t"},
+        ))
+        ext_procs = [free_port(), free_port()]
+        for port in ext_procs:
+            procs.add(start_ext_proc(port, log_dir, args=["--redis-url", REDIS_URL,
+                                                          "--namespace", namespace]))
+        listen, envoy_admin = free_port(), free_port()
+        params, config, _, _ = build(
+            ["--listen-port", str(listen), "--admin-port", str(envoy_admin),
+             "--xds", f"localhost:{xds}", *(f"--ext-proc=localhost:{p}" for p in ext_procs)],
+            {},
+        )
+        procs.add(start_envoy(params, config, log_dir))
+        url = f"http://127.0.0.1:{listen}/v1/chat/completions"
+        body = {"model": "m", "messages": [{"role": "user", "content": "hello by name"}]}
+
+        def routed() -> bool:
+            r = httpx.post(url, json=body, timeout=5)
+            return r.status_code == 200 and bool(r.json()["prefix_key"])
+
+        wait_until(routed, 15, "a request through Envoy got a prefix key from ext_proc")
+        keys = set()
+        for _ in range(20):
+            r = httpx.post(url, json=body, timeout=5)
+            assert r.status_code == 200
+            keys.add(r.json()["prefix_key"])
+        assert len(keys) == 1 and keys != {None}
+        clusters = httpx.get(f"http://127.0.0.1:{envoy_admin}/clusters?format=json").json()
+        resolved = {
+            c["name"]: sorted(h["address"]["socket_address"]["port_value"]
+                              for h in c.get("host_statuses", []))
+            for c in clusters["cluster_statuses"]
+        }
+        assert resolved["ext_proc"] == sorted(ext_procs)
+        assert resolved["xds"] == [xds]
+    finally:
+        procs.stop_all()
+        procs.started.clear()
+
+        async def clean() -> None:
+            async with fresh_store(namespace):
+                pass
+
+        asyncio.run(clean())
