@@ -1,9 +1,11 @@
 """The admin REST API: thin FastAPI routes over :class:`~control_plane.service.AdminService`.
 
 Served on its own port, never on Envoy's data-plane listener. Every route
-but ``GET /healthz`` needs ``Authorization: Bearer <token>`` (the OpenAPI
-document and ``/docs`` too); with no token configured (allowed only on a
-loopback address, see ``control_plane.server``) the API is open.
+but ``GET /healthz``, ``GET /metrics`` (Prometheus text: counts and versions,
+no secrets, so a scraper needs no token) and the status page's static files
+(``GET /ui``, no data in them) needs ``Authorization: Bearer <token>`` (the
+OpenAPI document and ``/docs`` too); with no token configured (allowed only on
+a loopback address, see ``control_plane.server``) the API is open.
 
 Errors map to status codes here and only here: invalid input -> 422 with a
 ``detail`` string naming each field and why (nothing changed), unknown
@@ -13,13 +15,15 @@ instance -> 404, duplicate -> 409, Redis unreachable -> 503.
 from __future__ import annotations
 
 import hmac
+from importlib import resources
 from typing import Annotated, Any
 
 from fastapi import Body, Depends, FastAPI, HTTPException, Query, Request
 from fastapi.exceptions import RequestValidationError
 from fastapi.openapi.docs import get_swagger_ui_html
-from fastapi.responses import HTMLResponse, JSONResponse
+from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
+from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
 from control_plane.service import AdminService, InstanceExists, InstanceNotFound
@@ -76,6 +80,19 @@ def authorize(
 
 
 Actor = Annotated[str, Depends(authorize)]
+
+
+_PAGE_HEADERS = {
+    "Content-Security-Policy": (
+        "default-src 'self'; style-src 'self' 'unsafe-inline'; img-src 'self' data:"
+    ),
+    "X-Content-Type-Options": "nosniff",
+    "Cache-Control": "no-store",
+}
+
+
+def _static(name: str) -> bytes:
+    return resources.files("control_plane").joinpath("static", name).read_bytes()
 
 
 def create_app(service: AdminService, *, token: str | None) -> FastAPI:
@@ -187,6 +204,27 @@ def create_app(service: AdminService, *, token: str | None) -> FastAPI:
     @app.get("/status", tags=["status"])
     async def status(actor: Actor) -> dict[str, Any]:
         return await service.status()
+
+    @app.get("/fleet", tags=["status"])
+    async def fleet(actor: Actor) -> dict[str, Any]:
+        """Per instance: ring share, in-flight, vLLM hit rate, TTFT, load; fleet totals; spills."""
+        return await service.fleet()
+
+    @app.get("/metrics", tags=["probe"], response_class=Response)
+    async def metrics() -> Response:
+        """Prometheus metrics of the control plane and the fleet view (no auth)."""
+        return Response(await service.metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    page, script = _static("status.html"), _static("status.js")
+
+    @app.get("/ui", include_in_schema=False)
+    async def status_page() -> Response:
+        """The status page (no data in it: it asks for the token and reads /fleet)."""
+        return Response(page, media_type="text/html; charset=utf-8", headers=_PAGE_HEADERS)
+
+    @app.get("/ui/status.js", include_in_schema=False)
+    async def status_script() -> Response:
+        return Response(script, media_type="text/javascript; charset=utf-8")
 
     @app.get("/audit", tags=["status"])
     async def audit(

@@ -4,7 +4,8 @@ The ADS server reports what happens through :class:`Callbacks` (every method
 a no-op by default) instead of logging and counting itself.
 :class:`ClientRegistry` is the callbacks the control plane installs: it
 remembers, per node id, its open streams and the version each type last
-ACKed or NACKed (the admin API's status), and logs every NACK with Envoy's
+ACKed or NACKed (the admin API's status) with running counts of pushes,
+ACKs and NACKs per type (the control plane's metrics), and logs every NACK with Envoy's
 error text, because a NACK means Envoy kept its last good config and the fleet
 is not running what the admin API says.
 """
@@ -55,6 +56,10 @@ class ClientStatus:
     nacked: dict[str, dict[str, Any]] = field(default_factory=dict)
     sent: dict[str, str] = field(default_factory=dict)
     last_seen: float = 0.0
+    pushes: dict[str, int] = field(default_factory=dict)
+    """Responses sent per type since the first stream (for metrics), like ``acks``/``nacks``."""
+    acks: dict[str, int] = field(default_factory=dict)
+    nacks: dict[str, int] = field(default_factory=dict)
 
     def to_json_dict(self) -> dict[str, Any]:
         return {
@@ -92,19 +97,25 @@ class ClientRegistry(Callbacks):
             log.info("xDS stream %d of node %s closed", stream_id, node.id)
 
     def on_response(self, stream_id: int, node: base_pb2.Node, type_url: str, version: str) -> None:
-        self._client(node).sent[SHORT_TYPE.get(type_url, type_url)] = version
+        client = self._client(node)
+        short = SHORT_TYPE.get(type_url, type_url)
+        client.sent[short] = version
+        client.pushes[short] = client.pushes.get(short, 0) + 1
 
     def on_ack(self, stream_id: int, node: base_pb2.Node, type_url: str, version: str) -> None:
         client = self._client(node)
         short = SHORT_TYPE.get(type_url, type_url)
         client.acked[short] = version
+        client.acks[short] = client.acks.get(short, 0) + 1
         client.nacked.pop(short, None)
 
     def on_nack(
         self, stream_id: int, node: base_pb2.Node, type_url: str, version: str, error: str
     ) -> None:
         short = SHORT_TYPE.get(type_url, type_url)
-        self._client(node).nacked[short] = {"version": version, "error": error, "time": time.time()}
+        client = self._client(node)
+        client.nacked[short] = {"version": version, "error": error, "time": time.time()}
+        client.nacks[short] = client.nacks.get(short, 0) + 1
         log.error(
             "node %s rejected %s version %s, keeping its last good config: %s",
             node.id,

@@ -6,8 +6,10 @@
    (Redis is the source of truth: a restart comes back with the live state);
 2. follow the shared state (pub/sub + periodic re-read) and publish one
    checked snapshot per version to every Envoy over ADS;
-3. run the drainer and the health probe;
-4. serve the admin API (uvicorn) and gRPC health on the xDS port.
+3. run the drainer, the health probe and the fleet view (each instance's
+   vLLM ``/metrics``, every ``--fleet-scrape-interval`` seconds);
+4. serve the admin API (uvicorn; also ``/metrics``, ``/fleet`` and the status
+   page ``/ui``) and gRPC health on the xDS port.
 
 The admin token comes from ``PREFIX_ROUTER_ADMIN_TOKEN`` or ``--token-file``;
 without one the process refuses to start unless the admin API is bound to a
@@ -38,6 +40,7 @@ from control_plane.ads import AdsServer
 from control_plane.cache import SnapshotCache
 from control_plane.callbacks import ClientRegistry
 from control_plane.drain import Drainer
+from control_plane.fleet_view import FleetView
 from control_plane.health import HealthProber
 from control_plane.publisher import Publisher
 from control_plane.service import AdminService
@@ -68,6 +71,11 @@ class Settings:
     drain_timeout_s: float = 300.0
     watch_interval_s: float = 1.0
     health_probe: bool = True
+    fleet_scrape_interval_s: float = 2.0
+    """0 turns the fleet view's scraping off (state and loads are still read on request)."""
+    fleet_window_s: float = 60.0
+    fleet_scrape_timeout_s: float = 1.0
+    fleet_metrics_path: str = "/metrics"
 
 
 def load_fleet_file(path: str) -> tuple[Fleet, RouterConfig | None]:
@@ -138,11 +146,19 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     cache = SnapshotCache()
     clients = ClientRegistry()
     publisher = Publisher(cache)
+    view = FleetView(
+        store,
+        interval_s=settings.fleet_scrape_interval_s,
+        window_s=settings.fleet_window_s,
+        timeout_s=settings.fleet_scrape_timeout_s,
+        metrics_path=settings.fleet_metrics_path,
+    )
     service = AdminService(
         store,
         store,
         clients=clients,
         published_version=lambda: publisher.published.version if publisher.published else None,
+        view=view,
     )
 
     grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
@@ -183,6 +199,8 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     ]
     if settings.health_probe:
         tasks.append(asyncio.create_task(prober.run(stop), name="health"))
+    if settings.fleet_scrape_interval_s > 0:
+        tasks.append(asyncio.create_task(view.run(stop), name="fleet-view"))
     await grpc_server.start()
     for name in ("", ADS_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -210,6 +228,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         await grpc_server.stop(grace=1.0)
         await asyncio.gather(admin_task, *tasks, return_exceptions=True)
         await prober.close()
+        await view.close()
         await store.close()
         log.info("control plane stopped")
 
@@ -228,6 +247,25 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--drain-grace", type=float, default=2.0, help="min seconds draining")
     p.add_argument("--drain-timeout", type=float, default=300.0, help="max seconds draining")
     p.add_argument("--no-health-probe", action="store_true", help="leave health to Envoy alone")
+    p.add_argument(
+        "--fleet-scrape-interval",
+        type=float,
+        default=2.0,
+        help="seconds between reads of every instance's /metrics (0: off)",
+    )
+    p.add_argument(
+        "--fleet-window",
+        type=float,
+        default=60.0,
+        help="seconds over which hit rate, TTFT and affinity are computed",
+    )
+    p.add_argument(
+        "--fleet-scrape-timeout",
+        type=float,
+        default=1.0,
+        help="seconds one instance's /metrics may take",
+    )
+    p.add_argument("--fleet-metrics-path", default="/metrics", help="instances' metrics path")
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -251,6 +289,10 @@ def main(argv: Sequence[str] | None = None) -> int:
         drain_grace_s=args.drain_grace,
         drain_timeout_s=args.drain_timeout,
         health_probe=not args.no_health_probe,
+        fleet_scrape_interval_s=args.fleet_scrape_interval,
+        fleet_window_s=args.fleet_window,
+        fleet_scrape_timeout_s=args.fleet_scrape_timeout,
+        fleet_metrics_path=args.fleet_metrics_path,
     )
 
     async def main_async() -> None:

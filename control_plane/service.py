@@ -23,6 +23,8 @@ from typing import Any
 
 from control_plane.callbacks import ClientRegistry
 from control_plane.drain import InFlightSource
+from control_plane.fleet_view import FleetView
+from control_plane.metrics import ControlPlaneCollector, render
 from prefix_router.config import RouterConfig, parse_config
 from prefix_router.errors import FleetError
 from prefix_router.fleet import Fleet, Instance, InstanceState
@@ -100,12 +102,17 @@ class AdminService:
         clients: ClientRegistry | None = None,
         published_version: Callable[[], str | None] = lambda: None,
         clock: Callable[[], float] = time.time,
+        view: FleetView | None = None,
     ) -> None:
         self.store = store
         self.in_flight_source = in_flight
         self.clients = clients
         self.published_version = published_version
         self.clock = clock
+        self.view = view or FleetView(store)
+        self.collector = ControlPlaneCollector(
+            self.view, clients or ClientRegistry(), published_version
+        )
 
     # -- config ---------------------------------------------------------------
 
@@ -221,3 +228,19 @@ class AdminService:
 
     async def audit(self, limit: int) -> list[dict[str, Any]]:
         return await self.store.audit_log(limit)
+
+    # -- observability --------------------------------------------------------
+
+    async def fleet(self) -> dict[str, Any]:
+        """The fleet view (status page): state and loads read now, vLLM figures from the
+        last scrape round."""
+        await self.view.refresh()
+        doc = self.view.snapshot().to_json_dict()
+        doc["published_snapshot"] = self.published_version()
+        doc["xds_clients"] = self.clients.to_json_list() if self.clients else []
+        return doc
+
+    async def metrics(self) -> bytes:
+        """Prometheus text of the control plane's metrics, state and loads read now."""
+        await self.view.refresh()
+        return render(self.collector)

@@ -1,0 +1,323 @@
+"""Prometheus metrics of the control plane (prefix ``prefix_router_control_plane_``).
+
+Served at ``GET /metrics`` on the admin port. Everything is read when scraped,
+by one custom collector, from what the process already holds:
+
+* xDS, per client (``node``) and resource type (``cds``, ``eds``): responses
+  pushed, ACKs, NACKs, open streams (from :class:`~control_plane.callbacks.ClientRegistry`);
+* the shared state in Redis: fleet and config versions, the versions this
+  replica published, instances by state and health, ConcurrencyThreshold;
+* the load store in Redis: fleet-wide in-flight count per instance, decisions
+  counted in Redis by outcome, predicted affinity. Exported here once, not by
+  every ext_proc replica;
+* the fleet view (:class:`~control_plane.fleet_view.FleetView`): each
+  instance's vLLM prefix-cache counters, hit rate, TTFT quantiles, running and
+  waiting requests and KV usage, fleet-wide hit rate and TTFT, and each
+  instance's share of the ring's key space.
+
+``*_ratio`` gauges are fractions in [0, 1]; windowed ones are over the fleet
+view's window (``--fleet-window``, 60 s). A value that is unknown (no traffic
+in the window, instance down, Redis unavailable) is left out, not exported as 0.
+The names are listed in ``METRIC_NAMES`` and documented in docs/observability.md.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Iterable, Iterator
+
+from prometheus_client.exposition import generate_latest
+from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamily, Metric
+
+from control_plane.callbacks import ClientRegistry
+from control_plane.fleet_view import FleetSnapshot, FleetView
+
+__all__ = ["METRIC_NAMES", "PREFIX", "ControlPlaneCollector", "render"]
+
+PREFIX = "prefix_router_control_plane_"
+
+METRIC_NAMES: dict[str, str] = {
+    # name (without prefix): type
+    "xds_pushes_total": "counter",
+    "xds_acks_total": "counter",
+    "xds_nacks_total": "counter",
+    "xds_streams": "gauge",
+    "fleet_version": "gauge",
+    "config_version": "gauge",
+    "published_fleet_version": "gauge",
+    "published_config_version": "gauge",
+    "instances": "gauge",
+    "concurrency_threshold": "gauge",
+    "spill_limit": "gauge",
+    "state_up": "gauge",
+    "redis_up": "gauge",
+    "in_flight": "gauge",
+    "decisions_total": "counter",
+    "predicted_affinity_ratio": "gauge",
+    "predicted_affinity_cumulative_ratio": "gauge",
+    "ring_share_ratio": "gauge",
+    "instance_scrape_up": "gauge",
+    "prefix_cache_queries_total": "counter",
+    "prefix_cache_hits_total": "counter",
+    "prefix_cache_hit_ratio": "gauge",
+    "fleet_prefix_cache_hit_ratio": "gauge",
+    "fleet_prefix_cache_hit_cumulative_ratio": "gauge",
+    "time_to_first_token_seconds": "gauge",
+    "fleet_time_to_first_token_seconds": "gauge",
+    "requests_running": "gauge",
+    "requests_waiting": "gauge",
+    "kv_cache_usage_ratio": "gauge",
+    "fleet_scrape_duration_seconds": "gauge",
+}
+
+QUANTILES = (("0.5", "p50"), ("0.99", "p99"))
+
+
+def _family(
+    name: str, doc: str, labels: Iterable[str] = ()
+) -> CounterMetricFamily | GaugeMetricFamily:
+    kind = METRIC_NAMES[name]
+    if kind == "counter":
+        return CounterMetricFamily(PREFIX + name.removesuffix("_total"), doc, labels=list(labels))
+    return GaugeMetricFamily(PREFIX + name, doc, labels=list(labels))
+
+
+def _split_version(version: str | None) -> tuple[float, float] | None:
+    """``"<fleet>.<config>"`` -> the two numbers."""
+    try:
+        fleet, config = (version or "").split(".")
+        return float(fleet), float(config)
+    except ValueError:
+        return None
+
+
+class ControlPlaneCollector:
+    """Yields every control-plane metric from the live objects, at scrape time."""
+
+    def __init__(
+        self,
+        view: FleetView,
+        clients: ClientRegistry,
+        published_version: Callable[[], str | None] = lambda: None,
+    ) -> None:
+        self.view = view
+        self.clients = clients
+        self.published_version = published_version
+
+    def collect(self) -> Iterator[Metric]:
+        yield from self._xds()
+        snap = self.view.snapshot()
+        yield from self._state(snap)
+        yield from self._loads(snap)
+        yield from self._instances(snap)
+        yield from self._fleet(snap)
+
+    def _xds(self) -> Iterator[Metric]:
+        pushes = _family(
+            "xds_pushes_total", "xDS responses sent, by client and type.", ["node", "type"]
+        )
+        acks = _family(
+            "xds_acks_total", "xDS responses ACKed (applied), by client and type.", ["node", "type"]
+        )
+        nacks = _family(
+            "xds_nacks_total",
+            "xDS responses NACKed (rejected; Envoy kept its last good config), by client and type.",
+            ["node", "type"],
+        )
+        streams = _family("xds_streams", "Open ADS streams, by client.", ["node"])
+        for client in self.clients.clients.values():
+            for family, counts in (
+                (pushes, client.pushes),
+                (acks, client.acks),
+                (nacks, client.nacks),
+            ):
+                for type_, count in sorted(counts.items()):
+                    family.add_metric([client.node_id, type_], count)
+            streams.add_metric([client.node_id], len(client.streams))
+        yield from (pushes, acks, nacks, streams)
+
+    def _state(self, snap: FleetSnapshot) -> Iterator[Metric]:
+        up = _family("state_up", "1 if the last read of the shared state in Redis succeeded.")
+        up.add_metric([], 0.0 if snap.state_error else 1.0)
+        yield up
+        if snap.fleet_version:
+            fleet = _family("fleet_version", "Fleet version in the shared state.")
+            fleet.add_metric([], snap.fleet_version)
+            yield fleet
+        if snap.config_version:
+            config = _family("config_version", "Routing config version in the shared state.")
+            config.add_metric([], snap.config_version)
+            yield config
+        published = _split_version(self.published_version())
+        if published is not None:
+            for name, value in zip(
+                ("published_fleet_version", "published_config_version"), published, strict=True
+            ):
+                family = _family(
+                    name,
+                    "Version in the xDS snapshot this replica serves "
+                    "(behind the shared state: not yet published).",
+                )
+                family.add_metric([], value)
+                yield family
+        instances = _family(
+            "instances", "Instances in the fleet by state and health.", ["state", "health"]
+        )
+        counts: dict[tuple[str, str], int] = {
+            (s, h): 0 for s in ("active", "draining") for h in ("healthy", "unhealthy")
+        }
+        for row in snap.instances:
+            key = (row.state, "healthy" if row.healthy else "unhealthy")
+            counts[key] = counts.get(key, 0) + 1
+        for (state, health), n in sorted(counts.items()):
+            instances.add_metric([state, health], n)
+        yield instances
+        if snap.concurrency_threshold:
+            threshold = _family(
+                "concurrency_threshold",
+                "ConcurrencyThreshold: fleet-wide in-flight count per instance "
+                "at which new requests spill (bounded-load).",
+            )
+            threshold.add_metric([], snap.concurrency_threshold)
+            limit = _family(
+                "spill_limit",
+                "In-flight count at which an instance takes no more "
+                "requests now (the threshold, or relative-load's "
+                "bound).",
+            )
+            limit.add_metric([], snap.spill_limit)
+            yield from (threshold, limit)
+
+    def _loads(self, snap: FleetSnapshot) -> Iterator[Metric]:
+        up = _family("redis_up", "1 if the last read of the load store in Redis succeeded.")
+        up.add_metric([], 0.0 if snap.loads_error else 1.0)
+        yield up
+        if snap.loads_error:
+            return
+        in_flight = _family(
+            "in_flight",
+            "Fleet-wide in-flight requests per instance (all ext_proc replicas, from Redis).",
+            ["instance"],
+        )
+        for row in snap.instances:
+            if row.in_flight is not None:
+                in_flight.add_metric([row.id], row.in_flight)
+        decisions = _family(
+            "decisions_total",
+            "Routing decisions counted in Redis by outcome "
+            "(home, spilled); ring_only ones are not.",
+            ["outcome"],
+        )
+        for outcome in ("home", "spilled"):
+            decisions.add_metric([outcome], snap.fleet.decisions.get(outcome, 0))
+        yield from (in_flight, decisions)
+        for name, value, doc in (
+            (
+                "predicted_affinity_ratio",
+                snap.fleet.predicted_affinity,
+                "Share of decisions sent home (predicted cache affinity) over the window.",
+            ),
+            (
+                "predicted_affinity_cumulative_ratio",
+                snap.fleet.predicted_affinity_cumulative,
+                "Share of decisions sent home since the namespace was created.",
+            ),
+        ):
+            if value is not None:
+                family = _family(name, doc)
+                family.add_metric([], value)
+                yield family
+
+    def _instances(self, snap: FleetSnapshot) -> Iterator[Metric]:
+        share = _family(
+            "ring_share_ratio",
+            "Share of the ring's key space an instance owns (0 if not routable).",
+            ["instance"],
+        )
+        up = _family(
+            "instance_scrape_up",
+            "1 if the instance's /metrics was read in the last round.",
+            ["instance"],
+        )
+        queries = _family(
+            "prefix_cache_queries_total",
+            "vLLM prefix-cache queries (tokens), as the instance reports them.",
+            ["instance"],
+        )
+        hits = _family(
+            "prefix_cache_hits_total",
+            "vLLM prefix-cache hits (tokens), as the instance reports them.",
+            ["instance"],
+        )
+        hit_ratio = _family(
+            "prefix_cache_hit_ratio",
+            "Prefix-cache hit rate (tokens hit / queried) over the window.",
+            ["instance"],
+        )
+        ttft = _family(
+            "time_to_first_token_seconds",
+            "TTFT quantile over the window, from vLLM's histogram buckets.",
+            ["instance", "quantile"],
+        )
+        running = _family("requests_running", "vLLM requests running.", ["instance"])
+        waiting = _family("requests_waiting", "vLLM requests waiting.", ["instance"])
+        kv = _family("kv_cache_usage_ratio", "vLLM KV-cache usage (pinned blocks).", ["instance"])
+        for row in snap.instances:
+            labels = [row.id]
+            share.add_metric(labels, row.ring_share)
+            up.add_metric(labels, 1.0 if row.up else 0.0)
+            for family, value in (
+                (queries, row.prefix_cache_queries),
+                (hits, row.prefix_cache_hits),
+                (hit_ratio, row.hit_rate),
+                (running, row.running),
+                (waiting, row.waiting),
+                (kv, row.kv_cache_usage),
+            ):
+                if value is not None:
+                    family.add_metric(labels, value)
+            for (quantile, _), value in zip(
+                QUANTILES, (row.ttft_p50_s, row.ttft_p99_s), strict=True
+            ):
+                if value is not None:
+                    ttft.add_metric([row.id, quantile], value)
+        yield from (share, up, queries, hits, hit_ratio, ttft, running, waiting, kv)
+
+    def _fleet(self, snap: FleetSnapshot) -> Iterator[Metric]:
+        fleet = snap.fleet
+        for name, value, doc in (
+            (
+                "fleet_prefix_cache_hit_ratio",
+                fleet.hit_rate,
+                "Fleet-wide prefix-cache hit rate over the window (all instances' tokens).",
+            ),
+            (
+                "fleet_prefix_cache_hit_cumulative_ratio",
+                fleet.hit_rate_cumulative,
+                "Fleet-wide prefix-cache hit rate since each instance started.",
+            ),
+            (
+                "fleet_scrape_duration_seconds",
+                self.view.last_round_s,
+                "Duration of the last round of scraping every instance.",
+            ),
+        ):
+            if value is not None:
+                family = _family(name, doc)
+                family.add_metric([], value)
+                yield family
+        ttft = _family(
+            "fleet_time_to_first_token_seconds",
+            "Fleet-wide TTFT quantile over the window (merged histograms).",
+            ["quantile"],
+        )
+        for (quantile, _), value in zip(
+            QUANTILES, (fleet.ttft_p50_s, fleet.ttft_p99_s), strict=True
+        ):
+            if value is not None:
+                ttft.add_metric([quantile], value)
+        yield ttft
+
+
+def render(collector: ControlPlaneCollector) -> bytes:
+    """Prometheus text exposition of the control plane's metrics."""
+    return generate_latest(collector)

@@ -1,0 +1,220 @@
+"""The control plane's fleet view, /fleet, /metrics and /ui in process, over real Redis.
+
+Instances are simulated vLLM servers driven in process (httpx ASGITransport),
+plus one that refuses connections and one that answers something that is not
+Prometheus text. The load store's keys are written by the real RedisLoadStore.
+"""
+
+from __future__ import annotations
+
+from collections.abc import AsyncIterator
+from dataclasses import dataclass
+
+import httpx
+import pytest
+from envoy.config.core.v3 import base_pb2
+from prometheus_client.parser import text_string_to_metric_families
+
+from control_plane.admin import create_app
+from control_plane.callbacks import ClientRegistry
+from control_plane.fleet_view import FleetView
+from control_plane.metrics import PREFIX, ControlPlaneCollector, render
+from control_plane.service import AdminService
+from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE
+from prefix_router.config import RouterConfig, SpillPolicyName
+from prefix_router.fleet import Fleet, Instance
+from prefix_router.loads.redis_store import RedisLoadStore
+from prefix_router.routing import RoutingTable
+from prefix_router.spill import SpillRule
+from prefix_router.state import StateStore
+from tests.conftest import REDIS_URL
+from tests.support.redis_ns import fresh_store
+from vllm_sim import SimInstance, make_config
+from vllm_sim import create_app as create_sim_app
+
+TOKEN = "s3cret"
+AUTH = {"Authorization": f"Bearer {TOKEN}"}
+A, B = Instance("127.0.0.1", 9101), Instance("127.0.0.1", 9102, weight=2)
+DOWN, NOT_VLLM = Instance("127.0.0.1", 9103), Instance("127.0.0.1", 9104)
+PROMPT = "You are a careful assistant. " * 40
+
+
+def _refuse(request: httpx.Request) -> httpx.Response:
+    raise httpx.ConnectError("connection refused", request=request)
+
+
+def _json(request: httpx.Request) -> httpx.Response:
+    return httpx.Response(200, json={"backend": "echo", "bytes": 0})
+
+
+@dataclass
+class Fleetside:
+    store: StateStore
+    view: FleetView
+    sims: dict[str, SimInstance]
+    client: httpx.AsyncClient
+    """Talks to the instances (the same mounts the view scrapes through)."""
+
+
+@pytest.fixture
+async def fleetside() -> AsyncIterator[Fleetside]:
+    sims = {i.id: SimInstance(make_config(time_scale=1e6), name=i.id) for i in (A, B)}
+    mounts: dict[str, httpx.AsyncBaseTransport] = {
+        f"http://{i}": httpx.ASGITransport(app=create_sim_app(s)) for i, s in sims.items()
+    }
+    mounts[f"http://{DOWN.id}"] = httpx.MockTransport(_refuse)
+    mounts[f"http://{NOT_VLLM.id}"] = httpx.MockTransport(_json)
+    async with fresh_store() as store, httpx.AsyncClient(mounts=mounts) as client:
+        config = RouterConfig.model_validate({"concurrency_threshold": 1})
+        await store.seed(Fleet.of([A, B, DOWN, NOT_VLLM]), config)
+        view = FleetView(store, client=client, window_s=60.0)
+        try:
+            yield Fleetside(store, view, sims, client)
+        finally:
+            for sim in sims.values():
+                await sim.stop()
+
+
+async def complete(client: httpx.AsyncClient, instance: Instance, prompt: str) -> None:
+    body = {"model": make_config().model, "prompt": prompt, "max_tokens": 2}
+    r = await client.post(f"http://{instance.id}/v1/completions", json=body)
+    assert r.status_code == 200, r.text
+
+
+async def test_fleet_view_reads_every_instance_and_the_load_store(fleetside: Fleetside) -> None:
+    f = fleetside
+    await complete(f.client, A, PROMPT + "first")
+    await f.view.tick()
+    await complete(f.client, A, PROMPT + "second")  # shares a long prefix: hits the cache
+    loads = await RedisLoadStore.connect(REDIS_URL, namespace=f.store.keys.namespace)
+    try:
+        rule = SpillRule(policy=SpillPolicyName.BOUNDED_LOAD, threshold=1)
+        first = await loads.reserve([A.id, B.id], rule, 2, request_id="req-home")
+        second = await loads.reserve([A.id, B.id], rule, 2, request_id="req-spilled")
+        assert (first.index, second.index) == (0, 1)
+        await f.view.tick()
+    finally:
+        await loads.close()
+    snap = f.view.snapshot()
+    rows = {r.id: r for r in snap.instances}
+    assert list(rows) == [A.id, B.id, DOWN.id, NOT_VLLM.id]
+
+    a, b = rows[A.id], rows[B.id]
+    assert a.up and b.up and a.error is None
+    assert a.prefix_cache_queries is not None and a.prefix_cache_hits is not None
+    assert a.prefix_cache_hits > 0
+    assert a.hit_rate_cumulative == pytest.approx(a.prefix_cache_hits / a.prefix_cache_queries)
+    # the window holds only the second request: it hit more than the two together
+    assert a.hit_rate is not None and a.hit_rate > a.hit_rate_cumulative
+    assert a.ttft_p50_s is not None and a.ttft_p99_s is not None and a.ttft_p50_s <= a.ttft_p99_s
+    assert b.hit_rate is None and b.hit_rate_cumulative is None  # B served nothing
+    assert (a.running, a.waiting, a.kv_cache_usage) == (0, 0, 0)
+
+    assert not rows[DOWN.id].up and "ConnectError" in (rows[DOWN.id].error or "")
+    assert not rows[NOT_VLLM.id].up and "MetricsFormatError" in (rows[NOT_VLLM.id].error or "")
+    assert rows[DOWN.id].running is None and rows[DOWN.id].hit_rate_cumulative is None
+
+    state = await f.store.read()
+    expected_share = RoutingTable.build(state.fleet.fleet, state.config.config).ring.share()
+    assert {r.id: r.ring_share for r in snap.instances} == expected_share
+    assert sum(expected_share.values()) == pytest.approx(1.0)
+    assert b.ring_share > a.ring_share  # weight 2
+
+    assert (a.in_flight, b.in_flight) == (1, 1)
+    assert snap.fleet.decisions == {"home": 1, "spilled": 1}
+    assert snap.fleet.predicted_affinity == pytest.approx(0.5)
+    assert [(s["home"], s["to"], s["request_id"]) for s in snap.spills] == [
+        (A.id, B.id, "req-spilled")
+    ]
+    assert snap.concurrency_threshold == 1 and snap.spill_limit == 1
+    assert snap.fleet.hit_rate == pytest.approx(a.hit_rate)  # only A served in the window
+    assert snap.loads_error is None and snap.state_error is None
+
+
+async def test_admin_routes_fleet_metrics_and_page(fleetside: Fleetside) -> None:
+    f = fleetside
+    await f.view.tick()
+    await complete(f.client, A, PROMPT)
+    await f.view.tick()
+    clients = ClientRegistry()
+    node = base_pb2.Node(id="envoy-7", cluster="prefix-router")
+    clients.on_stream_open(1, node)
+    for type_url in (CLUSTER_TYPE, ENDPOINT_TYPE, CLUSTER_TYPE):
+        clients.on_response(1, node, type_url, "1.1")
+    clients.on_ack(1, node, CLUSTER_TYPE, "1.1")
+    clients.on_nack(1, node, ENDPOINT_TYPE, "1.1", "bad endpoint")
+    service = AdminService(
+        f.store, f.store, clients=clients, view=f.view, published_version=lambda: "1.1"
+    )
+    app = create_app(service, token=TOKEN)
+    async with httpx.AsyncClient(
+        transport=httpx.ASGITransport(app=app), base_url="http://admin"
+    ) as admin:
+        assert (await admin.get("/fleet")).status_code == 401
+        assert (
+            await admin.get("/fleet", headers={"Authorization": "Bearer no"})
+        ).status_code == 401
+        fleet = (await admin.get("/fleet", headers=AUTH)).json()
+        assert [i["id"] for i in fleet["instances"]] == [A.id, B.id, DOWN.id, NOT_VLLM.id]
+        assert fleet["concurrency_threshold"] == 1 and fleet["published_snapshot"] == "1.1"
+        assert fleet["xds_clients"][0]["node_id"] == "envoy-7"
+
+        # a config change shows in the very next /fleet, not at the next scrape round
+        patched = await admin.patch("/config", json={"concurrency_threshold": 9}, headers=AUTH)
+        assert patched.status_code == 200
+        assert (await admin.get("/fleet", headers=AUTH)).json()["concurrency_threshold"] == 9
+
+        metrics = await admin.get("/metrics")  # no token: Prometheus scrapes it as is
+        assert metrics.status_code == 200
+        assert metrics.headers["content-type"].startswith("text/plain")
+        got = {
+            (s.name, tuple(sorted(s.labels.items()))): s.value
+            for fam in text_string_to_metric_families(metrics.text)
+            for s in fam.samples
+        }
+
+        page = await admin.get("/ui")
+        assert page.status_code == 200 and page.headers["content-type"].startswith("text/html")
+        assert '<script src="/ui/status.js">' in page.text
+        assert "default-src 'self'" in page.headers["content-security-policy"]
+        script = await admin.get("/ui/status.js")
+        assert script.status_code == 200 and "Authorization" in script.text
+
+    def value(name: str, **labels: str) -> float:
+        return got[(PREFIX + name, tuple(sorted(labels.items())))]
+
+    assert value("xds_pushes_total", node="envoy-7", type="cds") == 2
+    assert value("xds_pushes_total", node="envoy-7", type="eds") == 1
+    assert value("xds_acks_total", node="envoy-7", type="cds") == 1
+    assert value("xds_nacks_total", node="envoy-7", type="eds") == 1
+    assert value("xds_streams", node="envoy-7") == 1
+    assert value("config_version") == 2 and value("fleet_version") == 1
+    assert value("published_fleet_version") == 1 and value("published_config_version") == 1
+    assert value("concurrency_threshold") == 9
+    assert value("instances", state="active", health="healthy") == 4
+    assert value("instances", state="draining", health="healthy") == 0
+    assert value("redis_up") == 1 and value("state_up") == 1
+    assert value("instance_scrape_up", instance=A.id) == 1
+    assert value("instance_scrape_up", instance=DOWN.id) == 0
+    assert value("prefix_cache_queries_total", instance=A.id) > 0
+    assert value("requests_running", instance=A.id) == 0
+    assert (PREFIX + "requests_running", (("instance", DOWN.id),)) not in got  # unknown: absent
+    assert value("time_to_first_token_seconds", instance=A.id, quantile="0.5") > 0
+    assert sum(value("ring_share_ratio", instance=i.id) for i in (A, B, DOWN, NOT_VLLM)) == (
+        pytest.approx(1.0)
+    )
+    assert value("decisions_total", outcome="home") == 0
+
+
+async def test_redis_down_is_reported_not_raised() -> None:
+    store = StateStore.from_url("redis://127.0.0.1:1/0", "nowhere:")
+    view = FleetView(store, redis_timeout_s=0.2)
+    try:
+        await view.tick()
+        snap = view.snapshot()
+        assert snap.state_error and snap.loads_error and snap.instances == ()
+        text = render(ControlPlaneCollector(view, ClientRegistry())).decode()
+        assert f"{PREFIX}redis_up 0.0" in text and f"{PREFIX}state_up 0.0" in text
+    finally:
+        await view.close()
+        await store.close()
