@@ -440,7 +440,7 @@ class Stack:
             lines += [
                 f"  admin API         http://{s.host}:{s.admin_port}  (docs at /docs)",
                 f"  admin token       {self.token}",
-                f"  status page       http://{s.host}:{s.admin_port}/status",
+                f"  status page       http://{s.host}:{s.admin_port}/ui",
                 f"  metrics           http://{s.host}:{s.admin_port}/metrics",
             ]
         members = ", ".join(i.id for i in self.fleet.instances) if self.fleet else "-"
