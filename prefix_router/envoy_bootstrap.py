@@ -48,6 +48,8 @@ class BootstrapParams:
     body_buffer_bytes: int = 4 * 1024 * 1024
     max_body_bytes: int = 64 * 1024 * 1024
     ext_proc_timeout_ms: int = 200
+    lb_policy: str = "RING_HASH"
+    """Static fleet only: the model cluster's load balancer (benchmark baselines)."""
 
 
 def _is_ip_literal(host: str) -> bool:
@@ -155,7 +157,7 @@ def render_bootstrap(
     else:
         if fleet is None:
             raise ValueError("a static bootstrap needs the fleet")
-        clusters.append(model_cluster(config, fleet, eds=False))
+        clusters.append(model_cluster(config, fleet, eds=False, lb_policy=params.lb_policy))
     template = Template(template_path().read_text())
     return template.substitute(
         node_id=params.node_id,

@@ -21,20 +21,22 @@ def _duration(ms: int) -> str:
     return f"{ms / 1000:.3f}s"
 
 
-def model_cluster(config: RouterConfig, fleet: Fleet, *, eds: bool) -> dict[str, Any]:
-    """Envoy ``Cluster`` (JSON form) for the fleet; with ``eds`` its endpoints come from EDS."""
+def model_cluster(
+    config: RouterConfig, fleet: Fleet, *, eds: bool, lb_policy: str = "RING_HASH"
+) -> dict[str, Any]:
+    """Envoy ``Cluster`` (JSON form) for the fleet; with ``eds`` its endpoints come from EDS.
+
+    ``lb_policy`` other than ``RING_HASH`` (``ROUND_ROBIN``, ``LEAST_REQUEST``) is for
+    benchmark baselines only: the prefix key is then ignored.
+    """
     hc = config.health_check
     od = config.outlier_detection
     cb = config.circuit_breakers
     cluster: dict[str, Any] = {
         "name": MODEL_CLUSTER,
         "connect_timeout": "1s",
-        "lb_policy": "RING_HASH",
-        "ring_hash_lb_config": {
-            "hash_function": "XX_HASH",
-            "minimum_ring_size": str(ring_size_for(fleet.routable, config.ring.entries_per_weight)),
-            "maximum_ring_size": str(8 * 1024 * 1024),
-        },
+        "lb_policy": lb_policy,
+        **(_ring_hash_config(config, fleet) if lb_policy == "RING_HASH" else {}),
         "common_lb_config": {
             # Never spray a hot ring over every host when some fail health checks.
             "healthy_panic_threshold": {"value": 0.0},
@@ -79,6 +81,16 @@ def model_cluster(config: RouterConfig, fleet: Fleet, *, eds: bool) -> dict[str,
         cluster["type"] = "STATIC"
         cluster["load_assignment"] = load_assignment(fleet)
     return cluster
+
+
+def _ring_hash_config(config: RouterConfig, fleet: Fleet) -> dict[str, Any]:
+    return {
+        "ring_hash_lb_config": {
+            "hash_function": "XX_HASH",
+            "minimum_ring_size": str(ring_size_for(fleet.routable, config.ring.entries_per_weight)),
+            "maximum_ring_size": str(8 * 1024 * 1024),
+        }
+    }
 
 
 def load_assignment(fleet: Fleet) -> dict[str, Any]:
