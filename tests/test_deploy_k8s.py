@@ -374,3 +374,13 @@ def test_kubeconform_accepts_the_manifests(rendered: Path) -> None:
         capture_output=True, text=True, timeout=300,
     )
     assert result.returncode == 0, result.stdout + result.stderr
+
+
+def test_prometheus_annotations_point_at_metrics_ports() -> None:
+    expected = {"control-plane": "admin", "ext-proc": "metrics", "envoy": "admin"}
+    for name, port_name in expected.items():
+        d = by_kind("Deployment")[name]
+        annotations = d["spec"]["template"]["metadata"]["annotations"]
+        main = d["spec"]["template"]["spec"]["containers"][0]
+        assert annotations["prometheus.io/scrape"] == "true"
+        assert int(annotations["prometheus.io/port"]) == _port(main, port_name)
