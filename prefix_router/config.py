@@ -96,15 +96,18 @@ class CircuitBreakerConfig(_Frozen):
 
 
 class RetryConfig(_Frozen):
-    """Envoy retry policy; retries only what is safe (connect failures, refused streams)."""
+    """Envoy retry policy.
+
+    The default retries only failures that happen before the request reached an
+    instance (connect failure, refused stream, reset before the request), which
+    are safe for streaming and non-idempotent generations alike. Adding ``5xx``
+    or ``reset`` to ``retry_on`` may run a generation twice.
+    """
 
     enabled: bool = True
     num_retries: int = Field(2, ge=0, le=10)
     retry_on: str = "connect-failure,refused-stream,reset-before-request"
     per_try_timeout_ms: int = Field(0, ge=0, description="0: no per-try timeout.")
-    retry_streaming: bool = Field(
-        False, description="Also retry requests that ask for a streamed response."
-    )
 
 
 class RouterConfig(_Frozen):

@@ -118,6 +118,18 @@ def model_route(config: RouterConfig, *, ext_proc: bool = True) -> dict[str, Any
         policy: dict[str, Any] = {
             "retry_on": retry.retry_on,
             "num_retries": retry.num_retries,
+            # With RING_HASH a retry would hash to the same dead host; this makes Envoy
+            # walk on along the ring instead.
+            "retry_host_predicate": [
+                {
+                    "name": "envoy.retry_host_predicates.previous_hosts",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.retry.host"
+                        ".previous_hosts.v3.PreviousHostsPredicate"
+                    },
+                }
+            ],
+            "host_selection_retry_max_attempts": 8,
         }
         if retry.per_try_timeout_ms:
             policy["per_try_timeout"] = f"{retry.per_try_timeout_ms / 1000:.3f}s"

@@ -37,6 +37,8 @@ class XdsStack:
     envoy: ManagedProcess | None = None
     ext_procs: list[ManagedProcess] = field(default_factory=list)
     cp_args: list[str] = field(default_factory=list)
+    backend_procs: dict[int, ManagedProcess] = field(default_factory=dict)
+    """Backend port -> its own process, when started with ``backend_processes=True``."""
 
     def admin(self, *, token: str | None = TOKEN, timeout: float = 10) -> httpx.Client:
         headers = {"Authorization": f"Bearer {token}"} if token else {}
@@ -98,6 +100,7 @@ def start_xds_stack(
     config: RouterConfig | None = None,
     envoy_nodes: int = 1,
     extra_cp_args: Sequence[str] = (),
+    backend_processes: bool = False,
 ) -> tuple[XdsStack, list[ManagedProcess]]:
     """Start the stack with ``backends`` in the fleet and ``spare_backends`` running outside it.
 
@@ -105,7 +108,19 @@ def start_xds_stack(
     """
     stack = XdsStack(namespace=namespace, log_dir=log_dir)
     stack.backend_ports = [free_port() for _ in range(backends + spare_backends)]
-    start_backends(procs, log_dir, stack.backend_ports, "backends")
+    if backend_processes:  # one process each, so a test can kill one
+        for port in stack.backend_ports:
+            stack.backend_procs[port] = procs.add(
+                start_module(
+                    f"backend-{port}",
+                    "tests.support.echo_backend",
+                    [str(port)],
+                    log_dir,
+                    ready_ports=[port],
+                )
+            )
+    else:
+        start_backends(procs, log_dir, stack.backend_ports, "backends")
     fleet_file = log_dir / "fleet.yaml"
     doc: dict[str, Any] = {
         "instances": [{"address": "127.0.0.1", "port": p} for p in stack.backend_ports[:backends]]

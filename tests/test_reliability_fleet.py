@@ -1,0 +1,151 @@
+"""Fleet faults under load through the xDS stack: the router keeps serving.
+
+Control plane killed and restarted, an instance killed, the fleet resized:
+zero failed requests, and keys move only as far as the change requires.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import time
+from collections.abc import Iterator
+from pathlib import Path
+
+import httpx
+import pytest
+
+from tests.conftest import ProcessReaper
+from tests.support.load import Load
+from tests.support.redis_ns import fresh_store, unique_namespace
+from tests.support.xds_stack import XdsStack, start_xds_stack, wait_until
+
+pytestmark = pytest.mark.e2e
+
+PROMPTS = [f"placement probe {i}" for i in range(600)]
+
+
+@pytest.fixture
+def namespace() -> Iterator[str]:
+    ns = unique_namespace()
+    yield ns
+
+    async def clean() -> None:
+        async with fresh_store(ns):
+            pass
+
+    asyncio.run(clean())
+
+
+def placement(stack: XdsStack) -> dict[str, str]:
+    """Which backend serves each probe prompt right now."""
+    out: dict[str, str] = {}
+    with httpx.Client(timeout=10) as client:
+        for prompt in PROMPTS:
+            body = json.dumps({"model": "m", "messages": [{"role": "user", "content": prompt}]})
+            r = client.post(f"{stack.url}/v1/chat/completions", content=body)
+            assert r.status_code == 200, r.text
+            out[prompt] = r.json()["backend"]
+    return out
+
+
+def routable_in_envoy(stack: XdsStack, host: str) -> bool:
+    """Envoy would pick ``host``: present, EDS-healthy, passing health checks, not ejected."""
+    status = stack.envoy_hosts().get(host)
+    if status is None:
+        return False
+    health = status.get("health_status", {})
+    return health.get("eds_health_status", "HEALTHY") == "HEALTHY" and not any(
+        health.get(flag)
+        for flag in (
+            "failed_active_health_check",
+            "failed_outlier_check",
+            "pending_dynamic_removal",
+        )
+    )
+
+
+def moved(before: dict[str, str], after: dict[str, str]) -> dict[str, tuple[str, str]]:
+    return {p: (before[p], after[p]) for p in before if before[p] != after[p]}
+
+
+def test_control_plane_killed_and_restarted_changes_nothing(
+    namespace: str, procs: ProcessReaper, log_dir: Path
+) -> None:
+    stack, _ = start_xds_stack(procs, log_dir, namespace, backends=3)
+    before = placement(stack)
+    with Load(stack.url) as load:
+        assert stack.control_plane is not None
+        stack.control_plane.kill()
+        time.sleep(2.0)  # Envoy and ext_proc keep serving with the last config
+        restarted = time.monotonic()
+        stack.start_control_plane(procs)
+        with stack.admin() as admin:
+            wait_until(
+                lambda: any(c.get("acked") for c in admin.get("/status").json()["xds_clients"]),
+                10,
+                "Envoy reconnected and ACKed",
+            )
+        reconnected = time.monotonic() - restarted
+        time.sleep(0.5)
+    assert load.failures() == []
+    assert len(load.outcomes) > 50
+    assert moved(before, placement(stack)) == {}
+    assert reconnected < 10
+
+
+def test_a_killed_instance_is_taken_out_and_only_its_keys_move(
+    namespace: str, procs: ProcessReaper, log_dir: Path
+) -> None:
+    stack, _ = start_xds_stack(procs, log_dir, namespace, backends=4, backend_processes=True)
+    before = placement(stack)
+    victim = stack.backend_ports[1]
+    with Load(stack.url) as load:
+        time.sleep(0.3)
+        killed = time.monotonic()
+        stack.backend_procs[victim].kill()
+        taken_out = wait_until(
+            lambda: not routable_in_envoy(stack, f"127.0.0.1:{victim}"),
+            10,
+            "Envoy took the dead instance out",
+            interval=0.05,
+        )
+        time.sleep(max(0.0, killed + 4.0 - time.monotonic()))
+    # Health check: 1 s interval x 2 failures (+ timeout): out within ~3 s.
+    assert taken_out < 3.5, taken_out
+    assert load.failures() == [], load.failures()[:3]  # connect failures are retried
+    after = placement(stack)
+    changes = moved(before, after)
+    assert {old for old, _ in changes.values()} == {str(victim)}
+    assert len(changes) == sum(1 for b in before.values() if b == str(victim))
+
+
+def test_resize_under_load_fails_nothing_and_moves_only_the_ideal_share(
+    namespace: str, procs: ProcessReaper, log_dir: Path
+) -> None:
+    stack, _ = start_xds_stack(
+        procs, log_dir, namespace, backends=4, spare_backends=2,
+        extra_cp_args=["--drain-grace", "1.0"],
+    )  # fmt: skip
+    original, spare = stack.backend_ports[:4], stack.backend_ports[4:]
+    with Load(stack.url) as load, stack.admin() as admin:
+        p4 = placement(stack)
+        for port in spare:
+            assert admin.post("/instances", json={"address": "127.0.0.1", "port": port}).is_success
+        wait_until(lambda: len(stack.envoy_hosts()) == 6, 5, "Envoy has 6 hosts")
+        time.sleep(0.5)  # the cluster with the new ring size warms
+        p6 = placement(stack)
+        for port in original[:2]:
+            assert admin.delete(f"/instances/127.0.0.1:{port}").status_code == 202
+        wait_until(lambda: len(stack.envoy_hosts()) == 4, 15, "the drained instances are gone")
+        time.sleep(0.5)
+        p4b = placement(stack)
+    assert load.failures() == [], load.failures()[:3]
+
+    grown = moved(p4, p6)
+    assert {new for _, new in grown.values()} <= {str(p) for p in spare}
+    assert len(grown) / len(PROMPTS) <= 1.15 * (2 / 6), len(grown) / len(PROMPTS)
+
+    shrunk = moved(p6, p4b)
+    assert {old for old, _ in shrunk.values()} <= {str(p) for p in original[:2]}
+    assert len(shrunk) / len(PROMPTS) <= 1.15 * (2 / 6), len(shrunk) / len(PROMPTS)
