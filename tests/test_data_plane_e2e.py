@@ -67,10 +67,10 @@ def test_large_bodies_pass_and_oversized_ones_get_413(stack: StaticStack) -> Non
         for size in (4 * 1024 * 1024, 16 * 1024 * 1024):
             try:
                 answer = post(client, stack, chat("x" * size))
-            except httpx.TimeoutException:
+            except httpx.TimeoutException as exc:
                 assert stack.envoy is not None
                 logs = [stack.envoy.tail(), *(p.tail() for p in stack.ext_procs)]
-                raise AssertionError(f"{size} B body timed out; logs:\n" + "\n".join(logs))
+                raise AssertionError(f"{size} B body timed out; logs:\n" + "\n".join(logs)) from exc
             assert answer["bytes"] > size
             assert answer["prefix_key"]
     # Envoy answers from the declared length, before reading a byte of the body.

@@ -64,6 +64,10 @@ def test_up_serves_then_sigterm_leaves_no_process_behind(tmp_path: Path) -> None
         "1",
         "--sim-time-scale",
         "50",
+        "--redis-url",
+        REDIS_URL,
+        "--namespace",
+        f"test-up-{uuid.uuid4().hex[:8]}:",
     ]
     for name, port in ports.items():
         argv += [f"--{name}", str(port)]
