@@ -182,6 +182,7 @@ class Stack:
         self.redis_url: str | None = settings.redis_url
         self.token = settings.admin_token or secrets.token_urlsafe(24)
         self.fleet: Fleet | None = None
+        self._cleared = False
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -211,6 +212,9 @@ class Stack:
         for proc in reversed(self.procs):
             proc.stop(grace=5.0)
         self.procs.clear()
+        if self.settings.redis_url is not None and self._cleared:
+            with contextlib.suppress(StartupError):
+                self._clear_namespace()  # an external Redis keeps nothing of a local stack
 
     def _add(self, proc: ManagedProcess) -> ManagedProcess:
         self.procs.append(proc)
@@ -298,6 +302,7 @@ class Stack:
             keys = list(client.scan_iter(match=f"{self.settings.namespace}*"))
             if keys:
                 client.delete(*keys)
+            self._cleared = True
         except redis.RedisError as exc:
             raise StartupError(f"Redis at {self.redis_url} does not answer: {exc}") from None
         finally:
