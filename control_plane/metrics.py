@@ -196,7 +196,7 @@ class ControlPlaneCollector:
         in_flight = _family(
             "in_flight",
             "Fleet-wide in-flight requests per instance (all ext_proc replicas, from Redis).",
-            ["instance"],
+            ["instance_id"],
         )
         for row in snap.instances:
             if row.in_flight is not None:
@@ -231,36 +231,38 @@ class ControlPlaneCollector:
         share = _family(
             "ring_share_ratio",
             "Share of the ring's key space an instance owns (0 if not routable).",
-            ["instance"],
+            ["instance_id"],
         )
         up = _family(
             "instance_scrape_up",
             "1 if the instance's /metrics was read in the last round.",
-            ["instance"],
+            ["instance_id"],
         )
         queries = _family(
             "prefix_cache_queries_total",
             "vLLM prefix-cache queries (tokens), as the instance reports them.",
-            ["instance"],
+            ["instance_id"],
         )
         hits = _family(
             "prefix_cache_hits_total",
             "vLLM prefix-cache hits (tokens), as the instance reports them.",
-            ["instance"],
+            ["instance_id"],
         )
         hit_ratio = _family(
             "prefix_cache_hit_ratio",
             "Prefix-cache hit rate (tokens hit / queried) over the window.",
-            ["instance"],
+            ["instance_id"],
         )
         ttft = _family(
             "time_to_first_token_seconds",
             "TTFT quantile over the window, from vLLM's histogram buckets.",
-            ["instance", "quantile"],
+            ["instance_id", "quantile"],
         )
-        running = _family("requests_running", "vLLM requests running.", ["instance"])
-        waiting = _family("requests_waiting", "vLLM requests waiting.", ["instance"])
-        kv = _family("kv_cache_usage_ratio", "vLLM KV-cache usage (pinned blocks).", ["instance"])
+        running = _family("requests_running", "vLLM requests running.", ["instance_id"])
+        waiting = _family("requests_waiting", "vLLM requests waiting.", ["instance_id"])
+        kv = _family(
+            "kv_cache_usage_ratio", "vLLM KV-cache usage (pinned blocks).", ["instance_id"]
+        )
         for row in snap.instances:
             labels = [row.id]
             share.add_metric(labels, row.ring_share)

@@ -60,7 +60,7 @@ class PrometheusCallbacks(RouterCallbacks):
         self.in_flight = Gauge(
             "prefix_router_ext_proc_in_flight",
             "Requests this replica routed that have not ended, by instance.",
-            ["instance"],
+            ["instance_id"],
             registry=self.registry,
         )
         self.open_streams = Gauge(

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from control_plane.admin import create_app
 from control_plane.callbacks import ClientRegistry
 from control_plane.fleet_view import FleetView
-from control_plane.metrics import PREFIX, ControlPlaneCollector, render
+from control_plane.metrics import METRIC_NAMES, PREFIX, ControlPlaneCollector, render
 from control_plane.service import AdminService
 from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE
 from prefix_router.config import RouterConfig, SpillPolicyName
@@ -130,6 +130,17 @@ async def test_fleet_view_reads_every_instance_and_the_load_store(fleetside: Fle
     assert snap.fleet.hit_rate == pytest.approx(a.hit_rate)  # only A served in the window
     assert snap.loads_error is None and snap.state_error is None
 
+    # with every source present, every declared metric is exported
+    clients = ClientRegistry()
+    node = base_pb2.Node(id="envoy-0")
+    clients.on_response(1, node, CLUSTER_TYPE, "1.1")
+    clients.on_ack(1, node, CLUSTER_TYPE, "1.1")
+    clients.on_nack(1, node, CLUSTER_TYPE, "1.1", "no")
+    text = render(ControlPlaneCollector(f.view, clients, lambda: "1.1")).decode()
+    families = {fam.name for fam in text_string_to_metric_families(text)}
+    declared = {PREFIX + name.removesuffix("_total") for name in METRIC_NAMES}
+    assert families == declared
+
 
 async def test_admin_routes_fleet_metrics_and_page(fleetside: Fleetside) -> None:
     f = fleetside
@@ -194,13 +205,13 @@ async def test_admin_routes_fleet_metrics_and_page(fleetside: Fleetside) -> None
     assert value("instances", state="active", health="healthy") == 4
     assert value("instances", state="draining", health="healthy") == 0
     assert value("redis_up") == 1 and value("state_up") == 1
-    assert value("instance_scrape_up", instance=A.id) == 1
-    assert value("instance_scrape_up", instance=DOWN.id) == 0
-    assert value("prefix_cache_queries_total", instance=A.id) > 0
-    assert value("requests_running", instance=A.id) == 0
-    assert (PREFIX + "requests_running", (("instance", DOWN.id),)) not in got  # unknown: absent
-    assert value("time_to_first_token_seconds", instance=A.id, quantile="0.5") > 0
-    assert sum(value("ring_share_ratio", instance=i.id) for i in (A, B, DOWN, NOT_VLLM)) == (
+    assert value("instance_scrape_up", instance_id=A.id) == 1
+    assert value("instance_scrape_up", instance_id=DOWN.id) == 0
+    assert value("prefix_cache_queries_total", instance_id=A.id) > 0
+    assert value("requests_running", instance_id=A.id) == 0
+    assert (PREFIX + "requests_running", (("instance_id", DOWN.id),)) not in got  # unknown: absent
+    assert value("time_to_first_token_seconds", instance_id=A.id, quantile="0.5") > 0
+    assert sum(value("ring_share_ratio", instance_id=i.id) for i in (A, B, DOWN, NOT_VLLM)) == (
         pytest.approx(1.0)
     )
     assert value("decisions_total", outcome="home") == 0
