@@ -101,7 +101,24 @@ def _parser() -> argparse.ArgumentParser:
             p.add_argument(flag, action="append", help=help_ + "; repeatable")
         else:
             p.add_argument(flag, help=help_)
+    for name, (_, help_) in ROUTING_SHORTCUTS.items():
+        p.add_argument(
+            "--" + name.replace("_", "-"), help=f"{help_} (env {ENV_PREFIX}{name.upper()})"
+        )
     return p
+
+
+ROUTING_SHORTCUTS: dict[str, tuple[tuple[str, ...], str]] = {
+    "prefix_length": (("prefix_length",), "PrefixLength: bytes of the prompt keyed on"),
+    "prefix_mode": (("prefix_mode",), "prefix key mode: openai or bytes"),
+    "tenant_header": (("tenant_header",), "header that scopes keys per tenant"),
+    "concurrency_threshold": (
+        ("concurrency_threshold",),
+        "ConcurrencyThreshold: in-flight requests per instance before spilling",
+    ),
+    "spill_policy": (("spill", "policy"), "bounded-load, relative-load or none"),
+}
+"""The routing settings that ``up`` also takes as flags and env vars (over the config file)."""
 
 
 def resolve_settings(
@@ -132,6 +149,13 @@ def resolve_settings(
     if settings.config:
         config_data = _read_yaml(settings.config)
         routing.update(config_data.get("routing", config_data))
+    for name, (path, _) in ROUTING_SHORTCUTS.items():
+        value = args.get(name) or environ.get(ENV_PREFIX + name.upper())
+        if value is not None:
+            target = routing
+            for part in path[:-1]:
+                target = target.setdefault(part, {})
+            target[path[-1]] = value
     return settings, parse_config(routing)
 
 

@@ -145,3 +145,16 @@ def test_a_taken_port_is_a_one_line_error(tmp_path: Path) -> None:
     assert result.stderr.strip().splitlines() == [
         f"prefix-router up: port {port} (--port) is taken: free it or choose another"
     ]
+
+
+def test_routing_shortcuts_override_the_config_file(tmp_path: Path) -> None:
+    config = tmp_path / "routing.yaml"
+    config.write_text("routing:\n  prefix_length: 2048\n  concurrency_threshold: 8\n")
+    env = {"PREFIX_ROUTER_CONCURRENCY_THRESHOLD": "24", "PREFIX_ROUTER_SPILL_POLICY": "none"}
+    _, routing = resolve_settings(["--config", str(config), "--prefix-mode", "bytes"], env)
+    assert routing.prefix_length == 2048
+    assert routing.concurrency_threshold == 24
+    assert routing.prefix_mode.value == "bytes"
+    assert routing.spill.policy.value == "none"
+    with pytest.raises(ConfigError, match="spill.policy"):
+        resolve_settings(["--spill-policy", "sideways"], {})
