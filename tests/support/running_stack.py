@@ -64,14 +64,23 @@ class RunningStack:
             base_url=self.admin_url, headers={"Authorization": f"Bearer {token}"}, timeout=10
         )
 
-    def chat(self, client: httpx.Client, content: str, **extra: Any) -> httpx.Response:
+    def chat(
+        self,
+        client: httpx.Client,
+        content: str,
+        *,
+        headers: dict[str, str] | None = None,
+        **extra: Any,
+    ) -> httpx.Response:
         body = {
             "model": "meta-llama/Llama-3.1-70B-Instruct",
             "messages": [{"role": "user", "content": content}],
             "max_tokens": 4,
             **extra,
         }
-        return client.post(f"{self.url}/v1/chat/completions", content=json.dumps(body))
+        return client.post(
+            f"{self.url}/v1/chat/completions", content=json.dumps(body), headers=headers
+        )
 
     def start_spare_sim(self, *, time_scale: float = 50.0) -> str:
         """One more simulated instance, outside the fleet; returns its id."""
