@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import os
+import re
 import signal
 import subprocess
 import sys
@@ -98,6 +99,7 @@ def test_up_serves_then_sigterm_leaves_no_process_behind(tmp_path: Path) -> None
         )
         with urllib.request.urlopen(request, timeout=10) as r:
             assert r.status == 200
+        run_readme_examples(out.read_text(), ports["port"], ports["admin-port"])
         second = subprocess.run(argv, capture_output=True, text=True, timeout=30)
         assert second.returncode == 2
         assert "already running" in second.stderr
@@ -158,3 +160,41 @@ def test_routing_shortcuts_override_the_config_file(tmp_path: Path) -> None:
     assert routing.spill.policy.value == "none"
     with pytest.raises(ConfigError, match="spill.policy"):
         resolve_settings(["--spill-policy", "sideways"], {})
+
+
+README = Path(__file__).resolve().parent.parent / "README.md"
+
+
+def readme_blocks(language: str) -> list[str]:
+    return re.findall(rf"```{language}\n(.*?)```", README.read_text(), flags=re.S)
+
+
+def run_readme_examples(banner: str, port: int, admin_port: int) -> None:
+    """The README's first request (curl and the openai client) and its admin API examples,
+    run against this stack: only the ports differ."""
+    token = re.search(r"admin token\s+(\S+)", banner)
+    assert token is not None, banner
+    env = {**os.environ, "TOKEN": token.group(1)}
+
+    def localise(text: str) -> str:
+        return text.replace("127.0.0.1:8080", f"127.0.0.1:{port}").replace(
+            "127.0.0.1:8081", f"127.0.0.1:{admin_port}"
+        )
+
+    first_request = next(b for b in readme_blocks("sh") if "/v1/chat/completions" in b)
+    answer = subprocess.run(
+        ["bash", "-c", localise(first_request)], capture_output=True, text=True, timeout=30
+    )
+    assert answer.returncode == 0 and '"choices"' in answer.stdout, answer
+    client = readme_blocks("python")[0]
+    printed = subprocess.run(
+        [sys.executable, "-c", localise(client)], capture_output=True, text=True, timeout=60
+    )
+    assert printed.returncode == 0 and printed.stdout.strip(), printed
+    admin = next(b for b in readme_blocks("sh") if "/status" in b)
+    for command in admin.replace("\\\n", " ").strip().splitlines():
+        done = subprocess.run(
+            ["bash", "-c", localise(command) + " --fail-with-body -sS"],
+            capture_output=True, text=True, timeout=30, env=env,
+        )  # fmt: skip
+        assert done.returncode == 0, (command, done.stdout, done.stderr)
