@@ -26,6 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+from _harness import Connection
 
 REPO = Path(__file__).resolve().parents[1]
 CLK_TCK = os.sysconf("SC_CLK_TCK")
@@ -68,45 +69,6 @@ def make_body(i: int, n_instances: int, max_tokens: int) -> bytes:
         "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
         "stream_options": {"include_usage": True},
     }).encode()
-
-
-class Connection:
-    """A minimal keep-alive HTTP/1.1 client over asyncio streams.
-
-    httpx costs more CPU per streamed request than the simulator itself, so with two cores
-    it would measure the driver; this reads chunked SSE bodies with a few C-level calls.
-    """
-
-    def __init__(self, host: str, port: int) -> None:
-        self.host, self.port = host, port
-        self.reader: asyncio.StreamReader | None = None
-        self.writer: asyncio.StreamWriter | None = None
-
-    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
-        if self.writer is None:
-            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
-        assert self.reader is not None
-        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
-                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
-        self.writer.write(head.encode() + body)
-        raw_head = await self.reader.readuntil(b"\r\n\r\n")
-        status = int(raw_head[9:12])
-        headers = raw_head.lower()
-        if b"transfer-encoding: chunked" in headers:
-            parts = []
-            while True:
-                size = int((await self.reader.readuntil(b"\r\n"))[:-2], 16)
-                data = await self.reader.readexactly(size + 2)
-                if size == 0:
-                    break
-                parts.append(data[:-2])
-            return status, b"".join(parts)
-        length = int(headers.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
-        return status, await self.reader.readexactly(length)
-
-    def close(self) -> None:
-        if self.writer is not None:
-            self.writer.close()
 
 
 async def drive(urls: list[str], args: argparse.Namespace) -> dict[str, Any]:
