@@ -11,6 +11,7 @@ import json
 import random
 import shutil
 import time
+import urllib.request
 from collections import Counter
 from collections.abc import Iterator
 from pathlib import Path
@@ -184,3 +185,41 @@ async def test_redis_stopped_and_restarted_mid_load_fails_no_request(
         await asyncio.to_thread(wait_for, lambda: own_redis.in_flight() != {}, 3)
         assert (await pending).status_code == 200
     await asyncio.to_thread(wait_for, lambda: own_redis.in_flight() == {}, 3)
+
+
+def envoy_health(stack: StaticStack) -> dict[str, bool]:
+    """Envoy's view: ``ip:port`` -> passes active health checks."""
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{stack.admin_port}/clusters?format=json", timeout=5
+    ) as r:
+        clusters = json.load(r)["cluster_statuses"]
+    out = {}
+    for cluster in clusters:
+        if cluster["name"] == "models":
+            for h in cluster["host_statuses"]:
+                sa = h["address"]["socket_address"]
+                out[f"{sa['address']}:{sa['port_value']}"] = not h["health_status"].get(
+                    "failed_active_health_check", False
+                )
+    return out
+
+
+async def test_a_hung_instance_is_taken_out_by_health_checks(
+    procs: ProcessReaper, log_dir: Path
+) -> None:
+    stack = start_static_stack(procs, log_dir, backends=4, sim_args=["--time-scale", "20"])
+    victim = stack.fleet.instances[2].id
+    async with httpx.AsyncClient(timeout=10) as client:
+        assert all(envoy_health(stack).values())
+        r = await client.post(f"http://{victim}/sim/fault", json={"mode": "hang"})
+        assert r.status_code == 200
+        try:
+            hc = stack.config.health_check
+            took = await asyncio.to_thread(wait_for, lambda: not envoy_health(stack)[victim], 10)
+            # unhealthy_threshold failed checks, each up to timeout, interval apart (+ jitter).
+            bound = (hc.unhealthy_threshold * (hc.interval_ms + hc.timeout_ms)) / 1000 + 1.0
+            assert took <= bound, (took, bound)
+            codes = await load(stack, seconds=2)
+            assert set(codes) == {200}, codes
+        finally:
+            await client.post(f"http://{victim}/sim/fault", json={"mode": "none"})
