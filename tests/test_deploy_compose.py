@@ -12,6 +12,7 @@
 from __future__ import annotations
 
 import ipaddress
+import json
 import re
 import shutil
 import subprocess
@@ -362,6 +363,11 @@ def test_grafana_provisions_the_datasource_and_dashboards_folder(compose: dict[s
     )["providers"]
     dashboards = _container_path(grafana, provider["options"]["path"])
     assert dashboards == COMPOSE_DIR / "grafana" / "dashboards" and dashboards.is_dir()
+    for path in dashboards.glob("*.json"):  # whatever is there loads with this datasource
+        uids = set(re.findall(r'"uid":\s*"([^"]*)"', path.read_text()))
+        json.loads(path.read_text())
+        assert not any(u.startswith("${") and u != "${datasource}" for u in uids), path
+        assert datasource["uid"] == "prometheus" and datasource["isDefault"] is True
 
 
 # -- the healthcheck snippets, run for real --------------------------------------------------
