@@ -6,9 +6,11 @@ fleet or the config changes) and a :class:`~prefix_router.loads.LoadStore`.
 
 The store bounds its own waits on Redis (``redis_timeout_ms`` per round trip)
 and reports a failed or slow Redis as :class:`LoadsUnavailable`: the request is
-then routed by the ring alone (``RING_ONLY``), the failure is logged once, and
-the store is left alone for a short back-off so a dead Redis costs each
-request nothing; the first success after that logs the recovery. Time a
+then routed without fleet-wide counts (``RING_ONLY``): by the ring, spilling
+only on this replica's own counts, so a hot prefix is still spread, if less
+evenly. The failure is logged once, and the store is left alone for a short
+back-off so a dead Redis costs each request nothing; the first success after
+that logs the recovery. Time a
 request spends queued in this process under a burst is not Redis being slow,
 so it does not count against Redis; a backstop of ``STORE_WAIT_FACTOR`` round
 trips still bounds the wait.
@@ -21,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from prefix_router.loads import LoadStore, LoadsUnavailable
+from prefix_router.loads import InMemoryLoadStore, LoadStore, LoadsUnavailable
 from prefix_router.prefix_key import Fallback, PrefixKey, extract_key
 from prefix_router.routing import Decision, Outcome, RoutingTable
 
@@ -56,6 +58,8 @@ class RouteResult:
     key: PrefixKey
     reserved: str | None
     """Instance id whose in-flight count this request holds, to release at its end."""
+    store: LoadStore | None = None
+    """The store holding that count."""
 
 
 class RequestRouter:
@@ -68,6 +72,8 @@ class RequestRouter:
         self.table = table
         self.store = store
         self.callbacks = callbacks or RouterCallbacks()
+        self.local = InMemoryLoadStore()
+        """Counts of the requests routed while the shared store was unavailable."""
         self._store_down_until = 0.0
         self._store_down = False
 
@@ -97,41 +103,46 @@ class RequestRouter:
             self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
             return RouteResult(decision, key, None)
         ids = table.ids
-        home = ids[candidates[0]]
-        chosen = 0
-        reserved: str | None = None
-        outcome = Outcome.RING_ONLY
+        names = [ids[c] for c in candidates]
+        store: LoadStore = self.store
+        outcome: Outcome | None = None
         now = time.monotonic()
         if now >= self._store_down_until:
             try:
                 backstop = STORE_WAIT_FACTOR * table.config.redis_timeout_ms / 1000
                 async with asyncio.timeout(backstop):
-                    reservation = await self.store.reserve(
-                        [ids[c] for c in candidates], table.spill, len(ids), request_id
-                    )
-                chosen = reservation.index
-                reserved = ids[candidates[chosen]]
-                self.callbacks.on_reserved(reserved)
-                outcome = Outcome.HOME if chosen == 0 else Outcome.SPILLED
+                    reservation = await store.reserve(names, table.spill, len(ids), request_id)
                 if self._store_down:
                     self._store_down = False
-                    log.warning("load store answers again: spill resumed")
+                    log.warning("load store answers again: fleet-wide spill resumed")
             except (LoadsUnavailable, OSError, TimeoutError) as exc:
                 self._store_down_until = now + STORE_BACKOFF_S
                 if not self._store_down:
                     self._store_down = True
-                    log.warning("load store unavailable (%r): routing by the ring alone", exc)
+                    log.warning(
+                        "load store unavailable (%r): routing by the ring and this "
+                        "replica's own counts",
+                        exc,
+                    )
+                outcome = Outcome.RING_ONLY
+        else:
+            outcome = Outcome.RING_ONLY
+        if outcome is Outcome.RING_ONLY:
+            store = self.local
+            reservation = await store.reserve(names, table.spill, len(ids), request_id)
+        chosen = reservation.index
+        reserved = names[chosen]
+        self.callbacks.on_reserved(reserved)
+        if outcome is None:
+            outcome = Outcome.HOME if chosen == 0 else Outcome.SPILLED
         decision = Decision(
-            outcome,
-            ids[candidates[chosen]],
-            table.header_for(key.value, candidates, chosen),
-            home,
+            outcome, reserved, table.header_for(key.value, candidates, chosen), names[0]
         )
         self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
-        return RouteResult(decision, key, reserved)
+        return RouteResult(decision, key, reserved, store)
 
     def finish(self, result: RouteResult) -> None:
         """The request ended (normally or not): give back its in-flight count."""
-        if result.reserved is not None:
-            self.store.release(result.reserved)
+        if result.reserved is not None and result.store is not None:
+            result.store.release(result.reserved)
             self.callbacks.on_finished(result.reserved)

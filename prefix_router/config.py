@@ -130,11 +130,11 @@ class RouterConfig(_Frozen):
     circuit_breakers: CircuitBreakerConfig = CircuitBreakerConfig()
     retry: RetryConfig = RetryConfig()
     redis_timeout_ms: float = Field(
-        50.0,
+        100.0,
         gt=0,
         le=1000,
-        description="Longest one Redis round trip may take; past it ext_proc routes by the "
-        "ring alone and leaves Redis alone for a short back-off.",
+        description="Longest one Redis round trip may take; past it ext_proc routes on its "
+        "own counts and leaves Redis alone for a short back-off.",
     )
 
     @field_validator("tenant_header")

@@ -129,3 +129,20 @@ def start_module(
         proc.stop()
         raise
     return proc
+
+
+def start_redis_server(
+    binary: str, port: int, log_dir: Path, *, host: str = "127.0.0.1", name: str = "redis"
+) -> ManagedProcess:
+    """A throw-away ``redis-server`` (nothing saved to disk); ready when its port accepts."""
+    proc = ManagedProcess(
+        name,
+        [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"],
+        log_dir / f"{name}.log",
+    ).start()
+    try:
+        wait_until_listening(proc, port, host=host)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc

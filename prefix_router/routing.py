@@ -34,7 +34,7 @@ class Outcome(StrEnum):
     HOME = "home"
     SPILLED = "spilled"
     RING_ONLY = "ring_only"
-    """Loads unavailable (Redis slow or down): routed by the ring alone."""
+    """Fleet-wide loads unavailable (Redis slow or down): the ring and this replica's counts."""
     NO_INSTANCES = "no_instances"
 
 

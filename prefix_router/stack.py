@@ -42,7 +42,12 @@ from prefix_router.config import RouterConfig, describe_validation_error, parse_
 from prefix_router.envoy_bootstrap import BootstrapParams
 from prefix_router.errors import ConfigError, StartupError
 from prefix_router.fleet import Fleet, Instance
-from prefix_router.launch import start_envoy, start_ext_proc, start_module
+from prefix_router.launch import (
+    start_envoy,
+    start_ext_proc,
+    start_module,
+    start_redis_server,
+)
 from prefix_router.procs import (
     ManagedProcess,
     cli_command,
@@ -259,23 +264,7 @@ class Stack:
             )
             return
         port = free_port(self.settings.host)
-        proc = ManagedProcess(
-            "redis",
-            [
-                binary,
-                "--port",
-                str(port),
-                "--bind",
-                self.settings.host,
-                "--save",
-                "",
-                "--appendonly",
-                "no",
-            ],
-            self.log_dir / "redis.log",
-        ).start()
-        self._add(proc)
-        wait_until_listening(proc, port, host=self.settings.host)
+        self._add(start_redis_server(binary, port, self.log_dir, host=self.settings.host))
         self.redis_url = f"redis://{self.settings.host}:{port}/0"
 
     def _start_backends(self) -> Fleet:

@@ -7,10 +7,12 @@ also when the test fails.
 from __future__ import annotations
 
 import os
+import uuid
 from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
+import redis
 
 from prefix_router.procs import ManagedProcess
 
@@ -44,3 +46,21 @@ def log_dir(tmp_path: Path) -> Path:
     path = tmp_path / "logs"
     path.mkdir()
     return path
+
+
+@pytest.fixture
+def namespace() -> Iterator[str]:
+    """A Redis key prefix of this test's own; every key under it is deleted afterwards.
+
+    Request it before ``procs``: fixtures tear down in reverse, so the keys are deleted
+    after every process the test started has stopped.
+    """
+    ns = f"test-{uuid.uuid4().hex[:12]}:"
+    yield ns
+    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+    try:
+        keys = list(client.scan_iter(match=f"{ns}*"))
+        if keys:
+            client.delete(*keys)
+    finally:
+        client.close()

@@ -6,8 +6,6 @@ import asyncio
 import json
 import random
 import time
-import uuid
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -22,17 +20,6 @@ from tests.test_ext_proc_metrics import samples
 pytestmark = pytest.mark.e2e
 
 MODEL = "meta-llama/Llama-3.1-70B-Instruct"
-
-
-@pytest.fixture
-async def namespace() -> AsyncIterator[str]:
-    ns = f"test-abort-{uuid.uuid4().hex[:8]}:"
-    yield ns
-    client = aioredis.Redis.from_url(REDIS_URL)
-    keys = [k async for k in client.scan_iter(match=f"{ns}*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
 
 
 async def one_request(client: httpx.AsyncClient, url: str, rng: random.Random) -> str:

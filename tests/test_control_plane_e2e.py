@@ -6,10 +6,8 @@ one ext_proc with ``--redis-url`` and Envoy with an xDS bootstrap, on free ports
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -21,23 +19,9 @@ from prefix_router.prefix_key import KeySettings, extract_key
 from prefix_router.ring import Ring
 from tests.conftest import ProcessReaper
 from tests.support.load import Load
-from tests.support.redis_ns import fresh_store, unique_namespace
 from tests.support.xds_stack import XdsStack, start_xds_stack, wait_until
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def namespace() -> Iterator[str]:
-    """Requested before ``procs``, so its keys are deleted after every process stopped."""
-    ns = unique_namespace()
-    yield ns
-
-    async def clean() -> None:
-        async with fresh_store(ns):
-            pass
-
-    asyncio.run(clean())
 
 
 def chat(content: str) -> bytes:

@@ -21,7 +21,8 @@ import pytest
 import redis
 
 from prefix_router.config import RouterConfig
-from prefix_router.procs import ManagedProcess, free_port, wait_until_listening
+from prefix_router.launch import start_redis_server
+from prefix_router.procs import ManagedProcess, free_port
 from tests.conftest import ProcessReaper
 from tests.support.static_stack import StaticStack, start_ext_proc_for, start_static_stack
 
@@ -45,24 +46,7 @@ class OwnRedis:
         self.proc: ManagedProcess | None = None
 
     def start(self) -> None:
-        self.proc = self.procs.add(
-            ManagedProcess(
-                "redis",
-                [
-                    self.binary,
-                    "--port",
-                    str(self.port),
-                    "--bind",
-                    "127.0.0.1",
-                    "--save",
-                    "",
-                    "--appendonly",
-                    "no",
-                ],
-                self.log_dir / "redis.log",
-            ).start()
-        )
-        wait_until_listening(self.proc, self.port)
+        self.proc = self.procs.add(start_redis_server(self.binary, self.port, self.log_dir))
 
     def stop(self) -> None:
         assert self.proc is not None
@@ -176,8 +160,8 @@ async def test_redis_stopped_and_restarted_mid_load_fails_no_request(
     codes = await loader
     assert set(codes) == {200}, codes
     log = (log_dir / f"ext_proc-{stack.ext_proc_ports[0]}.log").read_text()
-    assert "routing by the ring alone" in log
-    assert "spill resumed" in log
+    assert "load store unavailable" in log
+    assert "fleet-wide spill resumed" in log
     # Spill resumed: requests are counted in Redis again.
     body = chat("after the outage " * 20, max_tokens=200)
     async with httpx.AsyncClient(timeout=30) as client:

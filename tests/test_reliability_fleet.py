@@ -6,10 +6,8 @@ zero failed requests, and keys move only as far as the change requires.
 
 from __future__ import annotations
 
-import asyncio
 import json
 import time
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -17,24 +15,11 @@ import pytest
 
 from tests.conftest import ProcessReaper
 from tests.support.load import Load
-from tests.support.redis_ns import fresh_store, unique_namespace
 from tests.support.xds_stack import XdsStack, start_xds_stack, wait_until
 
 pytestmark = pytest.mark.e2e
 
 PROMPTS = [f"placement probe {i}" for i in range(600)]
-
-
-@pytest.fixture
-def namespace() -> Iterator[str]:
-    ns = unique_namespace()
-    yield ns
-
-    async def clean() -> None:
-        async with fresh_store(ns):
-            pass
-
-    asyncio.run(clean())
 
 
 def placement(stack: XdsStack) -> dict[str, str]:

@@ -3,31 +3,16 @@ data-plane listener serves neither the admin API nor Envoy's admin interface."""
 
 from __future__ import annotations
 
-import asyncio
 import json
-from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
 import pytest
 
 from tests.conftest import ProcessReaper
-from tests.support.redis_ns import fresh_store, unique_namespace
 from tests.support.xds_stack import TOKEN, start_xds_stack
 
 pytestmark = pytest.mark.e2e
-
-
-@pytest.fixture
-def namespace() -> Iterator[str]:
-    ns = unique_namespace()
-    yield ns
-
-    async def clean() -> None:
-        async with fresh_store(ns):
-            pass
-
-    asyncio.run(clean())
 
 
 def test_security_properties_of_a_running_stack(

@@ -6,9 +6,7 @@ from __future__ import annotations
 import asyncio
 import json
 import math
-import uuid
 from collections import Counter
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
@@ -27,17 +25,6 @@ MODEL = "meta-llama/Llama-3.1-70B-Instruct"
 # ~60 decode steps of ~20 ms simulated at time scale 1: each request stays in flight ~1.5 s.
 SIM_ARGS = ["--time-scale", "1"]
 HOT_PROMPT = "You are the hot system prompt everyone shares. " * 20
-
-
-@pytest.fixture
-async def namespace() -> AsyncIterator[str]:
-    ns = f"test-spill-{uuid.uuid4().hex[:8]}:"
-    yield ns
-    client = aioredis.Redis.from_url(REDIS_URL)
-    keys = [k async for k in client.scan_iter(match=f"{ns}*")]
-    if keys:
-        await client.delete(*keys)
-    await client.aclose()
 
 
 def spill_stack(

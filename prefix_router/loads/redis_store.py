@@ -94,10 +94,10 @@ return loads
 _RELEASE = """
 for i = 1, #ARGV do
   local id = ARGV[i]
-  if redis.call('HINCRBY', KEYS[2], id, -1) >= 0 then
-    if redis.call('HINCRBY', KEYS[1], id, -1) <= 0 then redis.call('HDEL', KEYS[1], id) end
-  else
-    redis.call('HDEL', KEYS[2], id)
+  local left = redis.call('HINCRBY', KEYS[2], id, -1)
+  if left <= 0 then redis.call('HDEL', KEYS[2], id) end
+  if left >= 0 and redis.call('HINCRBY', KEYS[1], id, -1) <= 0 then
+    redis.call('HDEL', KEYS[1], id)
   end
 end
 return 1
@@ -107,7 +107,9 @@ return 1
 _REWRITE_SHARE = """
 local old = redis.call('HGETALL', KEYS[2])
 for i = 1, #old, 2 do
-  if redis.call('HINCRBY', KEYS[1], old[i], -tonumber(old[i + 1])) <= 0 then
+  local n = tonumber(old[i + 1])
+  -- never pass -0: Redis refuses it as an integer and the script would abort
+  if n ~= 0 and redis.call('HINCRBY', KEYS[1], old[i], -n) <= 0 then
     redis.call('HDEL', KEYS[1], old[i])
   end
 end
@@ -130,7 +132,8 @@ for _, replica in ipairs(redis.call('SMEMBERS', KEYS[2])) do
     local share = ARGV[1] .. 'inflight:' .. replica
     local old = redis.call('HGETALL', share)
     for i = 1, #old, 2 do
-      if redis.call('HINCRBY', KEYS[1], old[i], -tonumber(old[i + 1])) <= 0 then
+      local n = tonumber(old[i + 1])
+      if n ~= 0 and redis.call('HINCRBY', KEYS[1], old[i], -n) <= 0 then
         redis.call('HDEL', KEYS[1], old[i])
       end
     end
