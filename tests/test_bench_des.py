@@ -1,0 +1,142 @@
+"""The discrete-event simulation: the simulator's engine and the router's decisions, exactly."""
+
+from __future__ import annotations
+
+import asyncio
+from collections import defaultdict
+
+import pytest
+
+from prefix_router.bench.des import DesSettings, Resize, parse_resizes, simulate
+from prefix_router.bench.policies import Policy
+from prefix_router.bench.spec import PATHS, Arrival, Turn, Workload, request_body
+from prefix_router.bench.text import filler
+from prefix_router.bench.workloads import generate
+from prefix_router.config import RouterConfig
+from prefix_router.fleet import Fleet, Instance
+from prefix_router.prefix_key import extract_key
+from prefix_router.routing import RoutingTable
+from vllm_sim.config import make_config
+from vllm_sim.engine import Engine
+from vllm_sim.protocol import parse_generation
+
+ENGINE = make_config(num_gpu_blocks=512)
+SMALL_STEPS = {"num_gpu_blocks": 512, "max_num_batched_tokens": 256}
+"""A small token budget: prompts are prefilled in chunks over several steps."""
+
+
+def workload_of(arrivals: list[Arrival]) -> Workload:
+    return Workload("tiny", sum(len(a.turns) for a in arrivals), lambda: iter(arrivals))
+
+
+def tiny_arrivals() -> list[Arrival]:
+    shared = filler("shared", 300)
+    out = []
+    for i in range(6):
+        user = filler(f"user{i}", 20 + 37 * i)
+        messages = (("system", shared), ("user", user)) if i % 2 else (("user", user),)
+        out.append(Arrival(0.0, f"g{i}", (Turn(max_tokens=3 + i, messages=messages),)))
+    return out
+
+
+async def engine_ttfts(arrivals: list[Arrival]) -> list[float]:
+    """The simulator's asyncio engine, all requests arriving at simulated time 0."""
+    config = make_config(time_scale=1e6, **SMALL_STEPS)
+    engine = Engine(config, wall_clock=lambda: 0.0)  # frozen wall: mid-step arrivals at 0
+    engine.start()
+    params = [parse_generation(request_body(a.turns[0], model=config.model), "chat", config)
+              for a in arrivals]
+    handles = [engine.submit(params[0].params)]
+    while not engine.scheduler.running:
+        await asyncio.sleep(0)
+    handles += [engine.submit(p.params) for p in params[1:]]
+    for handle in handles:
+        await handle.wait_done()
+    await engine.stop()
+    return [h.seq.first_token_time - h.seq.arrival_time for h in handles]  # type: ignore[operator]
+
+
+async def test_one_instance_agrees_with_the_simulators_engine_exactly() -> None:
+    arrivals = tiny_arrivals()
+    expected = await engine_ttfts(arrivals)
+    result = simulate(workload_of(arrivals), DesSettings(
+        policy=Policy.ROUND_ROBIN, engine=make_config(**SMALL_STEPS),
+        router=RouterConfig(), instances=1))
+    assert [r.ttft_s for r in result.records] == pytest.approx(expected, rel=1e-9)
+    assert len(set(expected)) >= 4  # chunked prefill and batching at work
+    hits = sum(r.cached_tokens or 0 for r in result.records)
+    assert hits >= 2 * 16 * (300 // 4 // 16)  # later system-prompt requests hit the first
+
+
+def test_prefix_routing_is_envoys_ring_pick() -> None:
+    workload = generate("system-prompt", {"requests": 120, "rate": 50.0, "prompts": 10,
+                                          "prompt_tokens": 64, "output_min": 2,
+                                          "output_max": 4})
+    ids = tuple(f"127.0.0.1:{9000 + i}" for i in range(4))
+    result = simulate(workload, DesSettings(policy=Policy.PREFIX, engine=ENGINE,
+                                            router=RouterConfig(), instance_ids=ids))
+    table = RoutingTable.build(Fleet.of([Instance.from_url(i) for i in ids]), RouterConfig())
+    for arrival, record in zip(workload, result.records, strict=True):
+        turn = arrival.turns[0]
+        key = extract_key(request_body(turn, model=ENGINE.model), settings=table.key_settings,
+                          path=PATHS[turn.endpoint])
+        picked = table.ring.pick(key.value)
+        assert picked is not None and record.instance == picked.id
+    assert result.hit_rate <= result.bounds.infinite + 1e-9  # type: ignore[union-attr]
+
+
+def test_round_robin_and_least_request_spread_evenly() -> None:
+    workload = generate("unique", {"requests": 90, "rate": 100.0, "prompt_min": 20,
+                                   "prompt_max": 40, "output_min": 2, "output_max": 2})
+    rr = simulate(workload, DesSettings(policy=Policy.ROUND_ROBIN, engine=ENGINE,
+                                        router=RouterConfig(), instances=3))
+    assert sorted(i.requests for i in rr.instances) == [30, 30, 30]
+    lr = simulate(workload, DesSettings(policy=Policy.LEAST_REQUEST, engine=ENGINE,
+                                        router=RouterConfig(), instances=3))
+    assert all(i.requests > 15 for i in lr.instances)
+
+
+def test_spill_walks_the_ring_when_home_is_at_the_threshold() -> None:
+    prompt = filler("hot", 400)
+    arrivals = [Arrival(0.001 * i, "hot", (Turn(max_tokens=50, messages=(("user", prompt),)),))
+                for i in range(4)]
+    router = RouterConfig(concurrency_threshold=1)
+    ids = tuple(f"127.0.0.1:{9100 + i}" for i in range(4))
+    nospill = simulate(workload_of(arrivals), DesSettings(
+        policy=Policy.PREFIX, engine=ENGINE, router=router, instance_ids=ids))
+    spill = simulate(workload_of(arrivals), DesSettings(
+        policy=Policy.PREFIX_SPILL, engine=ENGINE, router=router, instance_ids=ids))
+    assert len({r.instance for r in nospill.records}) == 1
+    table = RoutingTable.build(Fleet.of([Instance.from_url(i) for i in ids]), router)
+    key = extract_key(request_body(arrivals[0].turns[0], model=ENGINE.model),
+                      settings=table.key_settings).value
+    ring_order = [table.ids[c] for c in table.candidates_for(key)]
+    assert [r.instance for r in spill.records] == ring_order  # home, 2nd, 3rd, 4th home
+    assert spill.peak_in_flight == 1 < nospill.peak_in_flight
+
+
+def test_a_resize_moves_only_the_new_instances_keys() -> None:
+    # system prompts longer than PrefixLength (1024 bytes): one key per prompt
+    workload = generate("system-prompt", {"requests": 1200, "rate": 40.0, "prompts": 120,
+                                          "prompt_tokens": 300, "output_min": 1,
+                                          "output_max": 2})
+    result = simulate(workload, DesSettings(policy=Policy.PREFIX, engine=ENGINE,
+                                            router=RouterConfig(), instances=4,
+                                            resizes=(Resize(15.0, +1),)))
+    before: dict[str, set[str | None]] = defaultdict(set)
+    after: dict[str, set[str | None]] = defaultdict(set)
+    for arrival, record in zip(workload, result.records, strict=True):
+        (before if record.arrival_s < 15.0 else after)[arrival.group].add(record.instance)
+    new = next(i.id for i in result.instances if i.id not in
+               {r.instance for r in result.records if r.arrival_s < 15.0})
+    moved = [g for g in before if g in after and after[g] != before[g]]
+    assert all(len(s) == 1 for s in (*before.values(), *after.values()))
+    assert all(after[g] == {new} for g in moved)
+    assert 0.05 < len(moved) / len(before) < 0.4  # about 1/5 of the keys
+    assert result.events and result.events[0][1] == "+1 -> 5 instances"
+
+
+def test_resize_parsing() -> None:
+    assert parse_resizes("600:-8, 300:+16") == (Resize(300.0, 16), Resize(600.0, -8))
+    with pytest.raises(ValueError, match="TIME"):
+        parse_resizes("soon:+1")
