@@ -24,6 +24,9 @@ from types import MappingProxyType
 
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
+from envoy.extensions.upstreams.http.v3 import (  # noqa: F401 - registers the Any type
+    http_protocol_options_pb2,
+)
 from google.protobuf import any_pb2  # type: ignore[import-untyped]
 from google.protobuf.json_format import ParseDict  # type: ignore[import-untyped]
 from google.protobuf.message import Message  # type: ignore[import-untyped]

@@ -47,7 +47,9 @@ class BootstrapParams:
     """Control plane ``(host, port)``; None for a static fleet."""
     body_buffer_bytes: int = 4 * 1024 * 1024
     max_body_bytes: int = 64 * 1024 * 1024
-    ext_proc_timeout_ms: int = 200
+    ext_proc_timeout_ms: int = 500
+    """Envoy waits this long for each ext_proc answer, then goes on without it
+    (failure_mode_allow). Generous: a request that times out loses its routing."""
     lb_policy: str = "RING_HASH"
     """Static fleet only: the model cluster's load balancer (benchmark baselines)."""
 

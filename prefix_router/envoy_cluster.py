@@ -15,6 +15,7 @@ from prefix_router.fleet import Fleet, Instance, InstanceState
 from prefix_router.ring import ring_size_for
 
 MODEL_CLUSTER = "models"
+_HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 
 def _duration(ms: int) -> str:
@@ -37,6 +38,17 @@ def model_cluster(
         "connect_timeout": "1s",
         "lb_policy": lb_policy,
         **(_ring_hash_config(config, fleet) if lb_policy == "RING_HASH" else {}),
+        # Close idle upstream connections before the server does (uvicorn, which vLLM
+        # runs on, closes them after 5 s): a request sent on a connection the server is
+        # closing would fail before reaching it and be retried on another instance,
+        # where nobody counted it.
+        "typed_extension_protocol_options": {
+            _HTTP_OPTIONS: {
+                "@type": f"type.googleapis.com/{_HTTP_OPTIONS}",
+                "common_http_protocol_options": {"idle_timeout": "3s"},
+                "explicit_http_config": {"http_protocol_options": {}},
+            }
+        },
         "common_lb_config": {
             # Never spray a hot ring over every host when some fail health checks.
             "healthy_panic_threshold": {"value": 0.0},
