@@ -10,7 +10,7 @@ peak in flight per instance. A DES run with resizes adds the hit rate over time.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Callable, Mapping, Sequence
 from pathlib import Path
 from types import ModuleType
 
@@ -73,6 +73,40 @@ def table(results: Sequence[RunResult]) -> str:
             f"({bounds.capacity_blocks:,} blocks of 16 tokens) {_pct(bounds.fleet_lru)}."
         )
     return "\n".join(lines)
+
+
+HEADLINE_POLICIES = ("round-robin", "least-request", "prefix", "prefix-spill")
+
+
+def headline_table(by_workload: Mapping[str, Sequence[RunResult]]) -> str:
+    """One row per workload; each cell lists RR / LR / prefix / prefix-spill."""
+
+    def cells(results: Sequence[RunResult], fmt: Callable[[RunResult], str]) -> str:
+        by_policy = {r.policy: r for r in results}
+        return " / ".join(fmt(by_policy[p]) if p in by_policy else "-"
+                          for p in HEADLINE_POLICIES)
+
+    lines = [
+        "| workload | token hit rate | fleet-LRU bound | TTFT P50 ms | TTFT P99 ms "
+        "| throughput req/s | peak in flight | prefix-spill P50 vs RR |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
+    for workload, results in by_workload.items():
+        bounds = next((r.bounds for r in results if r.bounds), None)
+        base = baseline_of(results)
+        spill = next((r for r in results if r.policy == "prefix-spill"), None)
+        change = _change(spill.ttft(50), base.ttft(50)) if spill and base else "-"
+        lines.append(
+            f"| {workload} | {cells(results, lambda r: _pct(r.hit_rate))} | "
+            f"{_pct(bounds.fleet_lru) if bounds else '-'} | "
+            f"{cells(results, lambda r: _ms(r.ttft(50)))} | "
+            f"{cells(results, lambda r: _ms(r.ttft(99)))} | "
+            f"{cells(results, lambda r: f'{r.throughput_rps:.2f}')} | "
+            f"{cells(results, lambda r: str(r.peak_in_flight))} | **{change}** |"
+        )
+    return "\n".join(
+        [f"Each cell: {' / '.join(HEADLINE_POLICIES)}.", "", *lines]
+    )
 
 
 def _rel(a: float | None, b: float | None) -> str:
@@ -166,26 +200,30 @@ def plot_hit_rate(results: Sequence[RunResult], path: Path, title: str) -> None:
 
 
 def plot_instances(results: Sequence[RunResult], path: Path, title: str) -> None:
+    """Instance ``k`` of every run side by side (each run starts its own instances; the
+    ``k``-th has ring identity ``vllm-k`` in every run, live or simulated)."""
     plt = _pyplot()
-    ids = sorted({i.id for r in results for i in r.instances})
-    many = len(ids) > 16
+    count = max((len(r.instances) for r in results), default=0)
+    many = count > 16
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 4.6), sharex=True)
     width = 0.8 / max(1, len(results))
     for k, r in enumerate(results):
-        by_id = {i.id: i for i in r.instances}
-        xs = [j + k * width for j in range(len(ids))]
+        xs = [j + k * width for j in range(len(r.instances))]
         color = _COLORS.get(r.policy)
-        top.bar(xs, [by_id[i].requests if i in by_id else 0 for i in ids], width,
-                label=r.policy, color=color)
-        bottom.bar(xs, [by_id[i].peak_in_flight if i in by_id else 0 for i in ids], width,
-                   color=color)
+        top.bar(xs, [i.requests for i in r.instances], width, label=r.policy, color=color)
+        bottom.bar(xs, [i.peak_in_flight for i in r.instances], width, color=color)
+    threshold = next((r.notes.get("concurrency_threshold") for r in results
+                      if r.notes.get("concurrency_threshold")), None)
+    if threshold:
+        bottom.axhline(threshold, ls=":", color="black", lw=1, label="ConcurrencyThreshold")
+        bottom.legend(fontsize=7, loc="upper right")
     top.set_ylabel("requests")
     bottom.set_ylabel("peak in flight")
     top.set_title(f"Per instance: {title}")
     top.legend(fontsize=7, ncol=len(results))
-    bottom.set_xticks([j + 0.4 - width / 2 for j in range(len(ids))])
-    bottom.set_xticklabels([] if many else [i.rsplit(":", 1)[-1] for i in ids], rotation=0)
-    bottom.set_xlabel("instance" + (f" ({len(ids)})" if many else " (port)"))
+    bottom.set_xticks([j + 0.4 - width / 2 for j in range(count)])
+    bottom.set_xticklabels([] if many else [f"vllm-{j}" for j in range(count)])
+    bottom.set_xlabel(f"instance ({count})" if many else "instance")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -228,7 +266,7 @@ def write_plots(results: Sequence[RunResult], folder: Path, stem: str, title: st
 
 
 def check_goals(
-    by_workload: dict[str, Sequence[RunResult]], threshold: int | None = None
+    by_workload: Mapping[str, Sequence[RunResult]], threshold: int | None = None
 ) -> list[str]:
     """The issue's goals, each as a line stating the measured figures and met / missed."""
     lines = []

@@ -1,0 +1,81 @@
+"""Reproduce the prefix-routing results in bench/results/prefix-routing and bench/results/des-large.
+
+    python bench/prefix_routing.py live       # 6 workloads x 4 policies, real stack (~3 h)
+    python bench/prefix_routing.py des        # the same runs in virtual time (~5 min)
+    python bench/prefix_routing.py des-large  # 128 instances, 100k requests, resizes
+    python bench/prefix_routing.py report     # rebuild report.md and the PNGs
+
+``live --only rag,unique`` runs a subset (the results of the others are kept). Every step
+is a ``prefix-router bench`` command; they are printed before they run.
+"""
+
+from __future__ import annotations
+
+import argparse
+import shlex
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parent.parent
+if str(ROOT) not in sys.path:
+    sys.path.insert(0, str(ROOT))
+
+from prefix_router.bench.cli import main as bench  # noqa: E402
+
+OUT = ROOT / "bench" / "results" / "prefix-routing"
+LARGE = ROOT / "bench" / "results" / "des-large"
+
+FLEET = ["--instances", "4", "--num-gpu-blocks", "8192", "--concurrency-threshold", "16"]
+"""Four Llama-3.1-70B / 8xH100 instances, with a KV pool of 8,192 blocks (131k tokens)."""
+
+WORKLOADS: dict[str, list[str]] = {
+    "system-prompt": ["--requests", "1000", "--rate", "2"],
+    "rag": ["--requests", "1000", "--rate", "2"],
+    "unique": ["--requests", "1000", "--rate", "2"],
+    "chat": ["--requests", "1000", "--rate", "2"],
+    "code": ["--requests", "1000", "--rate", "2"],
+    "hot-prefix": ["--requests", "1500", "--rate", "14"],
+}
+
+LARGE_RUN = [
+    "--workload", "rag", "--instances", "128", "--num-gpu-blocks", "8192",
+    "--concurrency-threshold", "16", "--requests", "100000", "--rate", "64",
+    "--set", "docs=3072", "--resize", "500:+32,1000:-32", "--window", "20",
+    "--policies", "round-robin,prefix,prefix-spill",
+]
+"""128 instances, 3,072 documents (24 per instance), 100k requests; 32 instances join at
+500 s and 32 random ones leave at 1,000 s."""
+
+
+def run(args: list[str]) -> None:
+    print("+ prefix-router bench " + shlex.join(args), flush=True)
+    code = bench(args)
+    if code:
+        sys.exit(code)
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__,
+                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser.add_argument("part", choices=("live", "des", "des-large", "report"))
+    parser.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated workloads")
+    args = parser.parse_args()
+    chosen = [w for w in args.only.split(",") if w]
+    if args.part == "live":
+        for name in chosen:
+            run(["run", "--workload", name, *WORKLOADS[name], *FLEET, "--time-scale", "1",
+                 "--policies", "all", "--out", str(OUT)])
+    elif args.part == "des":
+        for name in chosen:
+            run(["des", "--workload", name, *WORKLOADS[name], *FLEET, "--policies", "all",
+                 "--out", str(OUT)])
+    elif args.part == "des-large":
+        run(["des", *LARGE_RUN, "--out", str(LARGE)])
+    else:
+        run(["report", str(OUT)])
+        if LARGE.exists():
+            run(["report", str(LARGE)])
+
+
+if __name__ == "__main__":
+    main()
