@@ -13,9 +13,8 @@ COPY prefix_router prefix_router
 COPY ext_proc ext_proc
 COPY control_plane control_plane
 COPY vllm_sim vllm_sim
-# Outside a checkout the bootstrap template is read from the package
-# (prefix_router/envoy_bootstrap.py: template_path), so ship it there.
-COPY envoy/bootstrap.yaml prefix_router/bootstrap.yaml
+# prefix_router/bootstrap.yaml links to envoy/bootstrap.yaml; the wheel ships the file.
+COPY envoy envoy
 RUN python -m venv /opt/prefix-router \
  && /opt/prefix-router/bin/pip install /src \
  && /opt/prefix-router/bin/prefix-router --version \

@@ -427,8 +427,12 @@ def test_dockerfile_builds_one_image_for_every_command() -> None:
     pyproject = (ROOT / "pyproject.toml").read_text()
     for package in ("prefix_router", "ext_proc", "control_plane", "vllm_sim"):
         assert package in sources and f'"{package}*"' in pyproject
-    # Installed (not editable), the template is read from the package: ship it there.
-    assert ["envoy/bootstrap.yaml", "prefix_router/bootstrap.yaml"] in copies
+    # Installed (not editable), the template is read from the package, where
+    # prefix_router/bootstrap.yaml links to envoy/bootstrap.yaml: both must be copied.
+    assert ["envoy", "envoy"] in copies
+    assert (ROOT / "prefix_router" / "bootstrap.yaml").resolve() == (
+        ROOT / "envoy" / "bootstrap.yaml"
+    ).resolve()
     assert any("pip install /src" in rest for op, rest in instructions if op == "RUN")
 
 
