@@ -23,7 +23,7 @@ import logging
 import time
 from dataclasses import dataclass
 
-from prefix_router.loads import InMemoryLoadStore, LoadStore, LoadsUnavailable
+from prefix_router.loads import InMemoryLoadStore, LoadStore, LoadsUnavailable, Reservation
 from prefix_router.prefix_key import Fallback, PrefixKey, extract_key
 from prefix_router.routing import Decision, Outcome, RoutingTable
 
@@ -102,19 +102,39 @@ class RequestRouter:
             decision = Decision(Outcome.NO_INSTANCES, None, None, None)
             self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
             return RouteResult(decision, key, None)
-        ids = table.ids
-        names = [ids[c] for c in candidates]
-        store: LoadStore = self.store
-        outcome: Outcome | None = None
+        names = [table.ids[c] for c in candidates]
+        reservation, store, degraded = await self._reserve(names, table, request_id)
+        chosen = reservation.index
+        reserved = names[chosen]
+        self.callbacks.on_reserved(reserved)
+        if degraded:
+            outcome = Outcome.RING_ONLY
+        else:
+            outcome = Outcome.HOME if chosen == 0 else Outcome.SPILLED
+        decision = Decision(
+            outcome, reserved, table.header_for(key.value, candidates, chosen), names[0]
+        )
+        self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
+        return RouteResult(decision, key, reserved, store)
+
+    async def _reserve(
+        self, names: list[str], table: RoutingTable, request_id: str
+    ) -> tuple[Reservation, LoadStore, bool]:
+        """A reservation on fleet-wide counts, or on this replica's own when those are
+        unavailable (then ``degraded`` is True)."""
+        fleet_size = len(table.ids)
         now = time.monotonic()
         if now >= self._store_down_until:
             try:
                 backstop = STORE_WAIT_FACTOR * table.config.redis_timeout_ms / 1000
                 async with asyncio.timeout(backstop):
-                    reservation = await store.reserve(names, table.spill, len(ids), request_id)
+                    reservation = await self.store.reserve(
+                        names, table.spill, fleet_size, request_id
+                    )
                 if self._store_down:
                     self._store_down = False
                     log.warning("load store answers again: fleet-wide spill resumed")
+                return reservation, self.store, False
             except (LoadsUnavailable, OSError, TimeoutError) as exc:
                 self._store_down_until = now + STORE_BACKOFF_S
                 if not self._store_down:
@@ -124,22 +144,8 @@ class RequestRouter:
                         "replica's own counts",
                         exc,
                     )
-                outcome = Outcome.RING_ONLY
-        else:
-            outcome = Outcome.RING_ONLY
-        if outcome is Outcome.RING_ONLY:
-            store = self.local
-            reservation = await store.reserve(names, table.spill, len(ids), request_id)
-        chosen = reservation.index
-        reserved = names[chosen]
-        self.callbacks.on_reserved(reserved)
-        if outcome is None:
-            outcome = Outcome.HOME if chosen == 0 else Outcome.SPILLED
-        decision = Decision(
-            outcome, reserved, table.header_for(key.value, candidates, chosen), names[0]
-        )
-        self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
-        return RouteResult(decision, key, reserved, store)
+        reservation = await self.local.reserve(names, table.spill, fleet_size, request_id)
+        return reservation, self.local, True
 
     def finish(self, result: RouteResult) -> None:
         """The request ended (normally or not): give back its in-flight count."""
