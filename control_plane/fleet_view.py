@@ -319,9 +319,16 @@ class FleetView:
         for instance, result in zip(instances, results, strict=True):
             before = self.scrapes.get(instance.id)
             if result.error and (before is None or before.error is None):
-                log.info("cannot read metrics of %s: %s", instance.id, result.error)
+                log.info(
+                    "cannot read metrics of %s: %s",
+                    instance.id,
+                    result.error,
+                    extra={"instance": instance.id},
+                )
             elif result.error is None and before is not None and before.error is not None:
-                log.info("reading metrics of %s again", instance.id)
+                log.info(
+                    "reading metrics of %s again", instance.id, extra={"instance": instance.id}
+                )
             self.scrapes[instance.id] = result
             if result.reading is not None:
                 self.windows.setdefault(instance.id, Window(self.window_s)).add(
