@@ -161,7 +161,21 @@ def render_bootstrap(
                 "ads_config": {
                     "api_type": "GRPC",
                     "transport_api_version": "V3",
-                    "grpc_services": [{"envoy_grpc": {"cluster_name": XDS_CLUSTER}}],
+                    "grpc_services": [
+                        {
+                            "envoy_grpc": {
+                                "cluster_name": XDS_CLUSTER,
+                                # Reconnect to a restarted control plane within ~2 s
+                                # (Envoy's default backoff grows to 30 s).
+                                "retry_policy": {
+                                    "retry_back_off": {
+                                        "base_interval": "0.25s",
+                                        "max_interval": "2s",
+                                    }
+                                },
+                            }
+                        }
+                    ],
                     "set_node_on_first_message_only": True,
                 },
                 "cds_config": {"ads": {}, "resource_api_version": "V3"},

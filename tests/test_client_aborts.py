@@ -14,6 +14,7 @@ import redis.asyncio as aioredis
 
 from prefix_router.procs import free_port
 from tests.conftest import REDIS_URL, ProcessReaper
+from tests.support.figures import report
 from tests.support.static_stack import start_static_stack
 from tests.test_ext_proc_metrics import samples
 
@@ -79,6 +80,7 @@ async def test_thousand_requests_with_30_percent_aborts_leak_nothing(
                 outcomes[fate] = outcomes.get(fate, 0) + 1
 
         await asyncio.gather(*(bounded() for _ in range(1000)))
+    report("1,000 streamed requests, 30% aborted", **outcomes)
     assert sum(outcomes.values()) == 1000
     assert outcomes["completed"] < 800 and outcomes["aborted-mid-stream"] > 50, outcomes
 

@@ -24,6 +24,7 @@ from prefix_router.config import RouterConfig
 from prefix_router.launch import start_redis_server
 from prefix_router.procs import ManagedProcess, free_port
 from tests.conftest import ProcessReaper
+from tests.support.figures import report
 from tests.support.static_stack import StaticStack, start_ext_proc_for, start_static_stack
 
 pytestmark = pytest.mark.e2e
@@ -142,6 +143,12 @@ async def test_ext_proc_killed_mid_load_fails_no_request_and_recovers(
     stack.ext_procs[0] = restarted
     resumed_after = await asyncio.to_thread(wait_for, lambda: sticky(stack, "sticky " * 50), 5)
     codes = await loader
+    report(
+        "ext_proc killed",
+        sent=sum(codes.values()),
+        failed=sum(codes.values()) - codes[200],
+        routing_resumed_s=round(resumed_after, 3),
+    )
     assert set(codes) == {200}, codes
     assert resumed_after < 1.0, f"routing by prefix resumed {resumed_after:.2f}s after restart"
     # The killed replica's counts go when its heartbeat expires and a janitor reaps them.
@@ -158,6 +165,7 @@ async def test_redis_stopped_and_restarted_mid_load_fails_no_request(
     await asyncio.sleep(2)
     own_redis.start()
     codes = await loader
+    report("Redis stopped 2 s", sent=sum(codes.values()), failed=sum(codes.values()) - codes[200])
     assert set(codes) == {200}, codes
     log = (log_dir / f"ext_proc-{stack.ext_proc_ports[0]}.log").read_text()
     assert "load store unavailable" in log
@@ -202,8 +210,15 @@ async def test_a_hung_instance_is_taken_out_by_health_checks(
             took = await asyncio.to_thread(wait_for, lambda: not envoy_health(stack)[victim], 10)
             # unhealthy_threshold failed checks, each up to timeout, interval apart (+ jitter).
             bound = (hc.unhealthy_threshold * (hc.interval_ms + hc.timeout_ms)) / 1000 + 1.0
-            assert took <= bound, (took, bound)
             codes = await load(stack, seconds=2)
+            report(
+                "instance hung",
+                taken_out_s=round(took, 2),
+                bound_s=bound,
+                sent_after=sum(codes.values()),
+                failed_after=sum(codes.values()) - codes[200],
+            )
+            assert took <= bound, (took, bound)
             assert set(codes) == {200}, codes
         finally:
             await client.post(f"http://{victim}/sim/fault", json={"mode": "none"})

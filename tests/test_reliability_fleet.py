@@ -14,6 +14,7 @@ import httpx
 import pytest
 
 from tests.conftest import ProcessReaper
+from tests.support.figures import report
 from tests.support.load import Load
 from tests.support.xds_stack import XdsStack, start_xds_stack, wait_until
 
@@ -65,6 +66,7 @@ def test_control_plane_killed_and_restarted_changes_nothing(
         time.sleep(2.0)  # Envoy and ext_proc keep serving with the last config
         restarted = time.monotonic()
         stack.start_control_plane(procs)
+        serving = time.monotonic() - restarted
         with stack.admin() as admin:
             wait_until(
                 lambda: any(c.get("acked") for c in admin.get("/status").json()["xds_clients"]),
@@ -73,6 +75,13 @@ def test_control_plane_killed_and_restarted_changes_nothing(
             )
         reconnected = time.monotonic() - restarted
         time.sleep(0.5)
+    report(
+        "control plane killed 2 s",
+        sent=len(load.outcomes),
+        failed=len(load.failures()),
+        control_plane_serving_s=round(serving, 2),
+        envoy_acked_s=round(reconnected, 2),
+    )
     assert load.failures() == []
     assert len(load.outcomes) > 50
     assert moved(before, placement(stack)) == {}
@@ -96,6 +105,12 @@ def test_a_killed_instance_is_taken_out_and_only_its_keys_move(
             interval=0.05,
         )
         time.sleep(max(0.0, killed + 4.0 - time.monotonic()))
+    report(
+        "instance killed",
+        sent=len(load.outcomes),
+        failed=len(load.failures()),
+        taken_out_s=round(taken_out, 2),
+    )
     # Health check: 1 s interval x 2 failures (+ timeout): out within ~3 s.
     assert taken_out < 3.5, taken_out
     assert load.failures() == [], load.failures()[:3]  # connect failures are retried
@@ -125,12 +140,18 @@ def test_resize_under_load_fails_nothing_and_moves_only_the_ideal_share(
         wait_until(lambda: len(stack.envoy_hosts()) == 4, 15, "the drained instances are gone")
         time.sleep(0.5)
         p4b = placement(stack)
+    grown, shrunk = moved(p4, p6), moved(p6, p4b)
+    report(
+        "resize 4 -> 6 -> 4",
+        sent=len(load.outcomes),
+        failed=len(load.failures()),
+        moved_on_add=f"{len(grown) / len(PROMPTS):.3f} (ideal {2 / 6:.3f})",
+        moved_on_remove=f"{len(shrunk) / len(PROMPTS):.3f} (ideal {2 / 6:.3f})",
+    )
     assert load.failures() == [], load.failures()[:3]
 
-    grown = moved(p4, p6)
     assert {new for _, new in grown.values()} <= {str(p) for p in spare}
     assert len(grown) / len(PROMPTS) <= 1.15 * (2 / 6), len(grown) / len(PROMPTS)
 
-    shrunk = moved(p6, p4b)
     assert {old for old, _ in shrunk.values()} <= {str(p) for p in original[:2]}
     assert len(shrunk) / len(PROMPTS) <= 1.15 * (2 / 6), len(shrunk) / len(PROMPTS)
