@@ -18,6 +18,7 @@ run: $(STAMP)
 	$(BIN)/prefix-router up $(ARGS)
 
 test: $(STAMP)
+	scripts/ensure-test-services
 	$(BIN)/ruff check .
 	$(BIN)/mypy
 	$(BIN)/pytest -q $(PYTEST_ARGS)
