@@ -67,7 +67,8 @@ async def fleetside() -> AsyncIterator[Fleetside]:
     async with fresh_store() as store, httpx.AsyncClient(mounts=mounts) as client:
         config = RouterConfig.model_validate({"concurrency_threshold": 1})
         await store.seed(Fleet.of([A, B, DOWN, NOT_VLLM]), config)
-        view = FleetView(store, client=client, window_s=60.0)
+        # generous timeouts: a loaded CI machine must not turn a slow read into a failure
+        view = FleetView(store, client=client, window_s=60.0, timeout_s=5.0, redis_timeout_s=5.0)
         try:
             yield Fleetside(store, view, sims, client)
         finally:
@@ -86,7 +87,7 @@ async def test_fleet_view_reads_every_instance_and_the_load_store(fleetside: Fle
     await complete(f.client, A, PROMPT + "first")
     await f.view.tick()
     await complete(f.client, A, PROMPT + "second")  # shares a long prefix: hits the cache
-    loads = await RedisLoadStore.connect(REDIS_URL, namespace=f.store.keys.namespace)
+    loads = await RedisLoadStore.connect(REDIS_URL, namespace=f.store.keys.namespace, timeout_s=5.0)
     try:
         rule = SpillRule(policy=SpillPolicyName.BOUNDED_LOAD, threshold=1)
         first = await loads.reserve([A.id, B.id], rule, 2, request_id="req-home")
