@@ -212,6 +212,7 @@ class Stack:
         self.token = settings.admin_token or secrets.token_urlsafe(24)
         self.fleet: Fleet | None = None
         self._cleared = False
+        self.ext_proc_metrics: list[str] = []
 
     # -- lifecycle -----------------------------------------------------------------------
 
@@ -354,6 +355,8 @@ class Stack:
         wait_until_listening(control_plane, s.xds_port, host=s.host)
         ext_proc_ports = [free_port(s.host) for _ in range(s.ext_procs)]
         for i, port in enumerate(ext_proc_ports):
+            metrics_port = free_port(s.host)
+            self.ext_proc_metrics.append(f"http://{s.host}:{metrics_port}/metrics")
             self._add(
                 start_ext_proc(
                     port,
@@ -366,6 +369,8 @@ class Stack:
                         self.redis_url,
                         "--namespace",
                         s.namespace,
+                        "--metrics-port",
+                        str(metrics_port),
                     ],
                 )
             )
@@ -459,7 +464,9 @@ class Stack:
                 f"  admin API         http://{s.host}:{s.admin_port}  (docs at /docs)",
                 f"  admin token       {self.token}",
                 f"  status page       http://{s.host}:{s.admin_port}/ui",
-                f"  metrics           http://{s.host}:{s.admin_port}/metrics",
+                f"  metrics           http://{s.host}:{s.admin_port}/metrics (control plane, "
+                "fleet view)",
+                *(f"                    {url} (ext_proc)" for url in self.ext_proc_metrics),
             ]
         members = ", ".join(i.id for i in self.fleet.instances) if self.fleet else "-"
         lines += [
