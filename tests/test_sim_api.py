@@ -25,7 +25,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from vllm_sim import SimInstance, create_app, make_config, start_instances
 from vllm_sim.cli import main as cli_main
-from vllm_sim.stats import TTFT_BUCKETS
+from vllm_sim.stats import E2E_BUCKETS, TTFT_BUCKETS
 
 MODEL = "meta-llama/Llama-3.1-70B-Instruct"
 FAST = 1e6
@@ -179,11 +179,12 @@ async def test_metrics_parse_with_vllm_names(sim: tuple[SimInstance, httpx.Async
     assert value("vllm:request_success", "vllm:request_success_total",
                  finished_reason="length") == 2
     assert value("vllm:num_preemptions", "vllm:num_preemptions_total") == 0
-    for hist in ("vllm:time_to_first_token_seconds", "vllm:e2e_request_latency_seconds"):
+    for hist, buckets in (("vllm:time_to_first_token_seconds", TTFT_BUCKETS),
+                          ("vllm:e2e_request_latency_seconds", E2E_BUCKETS)):
         assert families[hist].type == "histogram"
         bounds = [float(s.labels["le"]) for s in families[hist].samples
                   if s.name == hist + "_bucket"]
-        assert bounds == [*TTFT_BUCKETS, float("inf")]
+        assert bounds == [*buckets, float("inf")]
         assert value(hist, hist + "_count") == 2
     info = families["vllm:cache_config_info"].samples[0]
     assert info.value == 1 and info.labels["block_size"] == "16"
