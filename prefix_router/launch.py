@@ -8,6 +8,7 @@ from __future__ import annotations
 
 import json
 import time
+import urllib.error
 import urllib.request
 from collections.abc import Sequence
 from pathlib import Path
@@ -146,3 +147,37 @@ def start_redis_server(
         proc.stop()
         raise
     return proc
+
+
+def wait_routable(
+    base_url: str, model: str, procs: Sequence[ManagedProcess], timeout_s: float = 60.0
+) -> None:
+    """Ready when a chat completion through ``base_url`` answers 200."""
+    body = json.dumps(
+        {
+            "model": model,
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": "prefix-router readiness check"}],
+        }
+    ).encode()
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if not proc.alive():
+                raise StartupError(f"{proc.name} exited during start-up:\n{proc.tail()}")
+        request = urllib.request.Request(
+            f"{base_url}/v1/chat/completions",
+            data=body,
+            headers={"content-type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}"
+        except OSError as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise StartupError(f"nothing routable through {base_url} in {timeout_s:.0f}s ({last})")

@@ -28,7 +28,6 @@ import shutil
 import signal
 import sys
 import threading
-import time
 import urllib.error
 import urllib.request
 from collections.abc import Iterator, Sequence
@@ -47,6 +46,7 @@ from prefix_router.launch import (
     start_ext_proc,
     start_module,
     start_redis_server,
+    wait_routable,
 )
 from prefix_router.procs import (
     ManagedProcess,
@@ -413,33 +413,7 @@ class Stack:
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Ready when a real chat completion through Envoy answers 200."""
         s = self.settings
-        url = f"http://{s.host}:{s.port}/v1/chat/completions"
-        body = json.dumps(
-            {
-                "model": self._model_name(),
-                "messages": [{"role": "user", "content": "prefix-router readiness check"}],
-                "max_tokens": 1,
-            }
-        ).encode()
-        deadline = time.monotonic() + timeout
-        last = "no answer"
-        while time.monotonic() < deadline:
-            for proc in self.procs:
-                if not proc.alive():
-                    raise StartupError(f"{proc.name} exited during start-up:\n{proc.tail()}")
-            request = urllib.request.Request(
-                url, data=body, headers={"content-type": "application/json"}
-            )
-            try:
-                with urllib.request.urlopen(request, timeout=10) as r:
-                    if r.status == 200:
-                        return
-            except urllib.error.HTTPError as exc:
-                last = f"HTTP {exc.code}: {exc.read()[:200]!r}"
-            except OSError as exc:
-                last = str(exc)
-            time.sleep(0.2)
-        raise StartupError(f"no successful request through Envoy in {timeout:.0f}s ({last})")
+        wait_routable(f"http://{s.host}:{s.port}", self._model_name(), self.procs, timeout)
 
     def _model_name(self) -> str:
         s = self.settings

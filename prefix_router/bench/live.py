@@ -38,9 +38,8 @@ from prefix_router.bench.results import InstanceStats, RequestRecord, RunResult
 from prefix_router.bench.spec import Workload
 from prefix_router.config import RouterConfig
 from prefix_router.envoy_bootstrap import BootstrapParams
-from prefix_router.errors import StartupError
 from prefix_router.fleet import Fleet, Instance
-from prefix_router.launch import start_envoy, start_module
+from prefix_router.launch import start_envoy, start_module, wait_routable
 from prefix_router.procs import ManagedProcess, free_port
 from prefix_router.stack import Stack, UpSettings
 from vllm_sim.protocol import chat_prompt_tokens, completion_prompt_tokens
@@ -128,32 +127,6 @@ def model_of(url: str) -> str:
     """The served model of the instance at ``url`` (``/v1/models``)."""
     with urllib.request.urlopen(f"{url}/v1/models", timeout=10) as r:
         return str(json.load(r)["data"][0]["id"])
-
-
-def wait_routable(
-    base_url: str, model: str, procs: Sequence[ManagedProcess], timeout_s: float = 60.0
-) -> None:
-    """Ready when a chat completion through ``base_url`` answers 200."""
-    body = json.dumps({"model": model, "max_tokens": 1,
-                       "messages": [{"role": "user", "content": "bench readiness"}]}).encode()
-    deadline = time.monotonic() + timeout_s
-    last = "no answer"
-    while time.monotonic() < deadline:
-        for proc in procs:
-            if not proc.alive():
-                raise StartupError(f"{proc.name} exited during start-up:\n{proc.tail()}")
-        request = urllib.request.Request(f"{base_url}/v1/chat/completions", data=body,
-                                         headers={"content-type": "application/json"})
-        try:
-            with urllib.request.urlopen(request, timeout=10) as r:
-                if r.status == 200:
-                    return
-        except urllib.error.HTTPError as exc:
-            last = f"HTTP {exc.code}"
-        except OSError as exc:
-            last = str(exc)
-        time.sleep(0.2)
-    raise StartupError(f"nothing routable through {base_url} in {timeout_s:.0f}s ({last})")
 
 
 def run_live(
