@@ -143,6 +143,7 @@ def main() -> None:
         pool = Pool(settings.port)
         rss_start = rss_mb(stack)
         peak = asyncio.run(max_rate(pool, args.probe_seconds, concurrency=32))
+        rss_warm = rss_mb(stack)  # after the probe: what steady state starts from
         rate = args.fraction * peak
         print(f"max {peak:.0f} req/s; sustaining {rate:.0f} req/s for {args.minutes} min")
         result = asyncio.run(sustained(Pool(settings.port), rate, args.minutes * 60))
@@ -157,9 +158,13 @@ def main() -> None:
         f"- requests sent {result['sent']}, failed {result['failed']} ({result['codes']})",
         f"- latency p50 {result['p50_ms']:.1f} ms, p99 {result['p99_ms']:.1f} ms",
         "",
-        "| process | RSS start MB | RSS end MB |",
-        "|---|---|---|",
-        *[f"| {k} | {rss_start[k]:.1f} | {rss_end.get(k, float('nan')):.1f} |" for k in rss_start],
+        "| process | RSS before traffic MB | RSS warm (after the probe) MB | RSS at the end MB |",
+        "|---|---|---|---|",
+        *[
+            f"| {k} | {rss_start[k]:.1f} | {rss_warm.get(k, float('nan')):.1f} "
+            f"| {rss_end.get(k, float('nan')):.1f} |"
+            for k in rss_start
+        ],
     ]
     report = "\n".join(lines)
     print(report)
