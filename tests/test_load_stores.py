@@ -107,8 +107,7 @@ async def test_a_dead_replicas_counts_disappear(namespace: str) -> None:
         await dead.reserve(IDS, BOUNDED, 3)
     dead.release("a")  # its share now holds a field that went back to 0
     await settle(dead)
-    for task in dead._tasks:  # dies: no more heartbeats, no goodbye
-        task.cancel()
+    await dead.stop_tasks()  # dies: no more heartbeats, no goodbye
     await dead.redis.delete(dead.alive_key)  # as if its heartbeat TTL ran out
     survivor = await RedisLoadStore.connect(REDIS_URL, namespace=namespace)
     try:

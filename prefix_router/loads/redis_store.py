@@ -187,6 +187,7 @@ class RedisLoadStore:
             tuple[list[str | int | float], Sequence[str], asyncio.Future[Reservation]]
         ] = []
         self._wake = asyncio.Event()
+        self._closing = False
         self._in_doubt = False
         self._tasks: list[asyncio.Task[None]] = []
 
@@ -233,6 +234,8 @@ class RedisLoadStore:
             request_id,
             *candidates,
         ]
+        if not self._tasks or self._tasks[0].done():
+            raise LoadsUnavailable("the load store is not running")
         self._reserves.append((args, candidates, future))
         self._wake.set()
         return await future
@@ -254,7 +257,7 @@ class RedisLoadStore:
         carries many requests. A reserve whose caller gave up waiting (timeout) is
         still counted by Redis, so it is released at once: counts stay exact.
         """
-        while True:
+        while not self._closing:
             await self._wake.wait()
             self._wake.clear()
             reserves, self._reserves = self._reserves, []
@@ -270,8 +273,10 @@ class RedisLoadStore:
                         if releases:
                             await self._release(keys=keys, args=releases, client=pipe)
                         results = await pipe.execute(raise_on_error=False)
-            except (RedisError, OSError, TimeoutError) as exc:
+            except Exception as exc:  # noqa: BLE001 - the flusher must outlive any failure
                 # Unknown whether Redis applied them: rewrite the share from local counts later.
+                if not isinstance(exc, RedisError | OSError | TimeoutError):
+                    log.warning("load store round trip failed unexpectedly: %r", exc)
                 self._in_doubt = True
                 for _, _, future in reserves:
                     if not future.done():
@@ -293,7 +298,7 @@ class RedisLoadStore:
                     )
 
     async def _heartbeat(self) -> None:
-        while True:
+        while not self._closing:
             try:
                 await self.beat()
             except RedisError as exc:
@@ -318,13 +323,22 @@ class RedisLoadStore:
                 args += [instance_id, count]
         await self._rewrite(keys=[self.fleet_key, self.share_key], args=args)
 
-    async def close(self) -> None:
-        """Stop the background tasks and give back every count this replica holds."""
+    async def stop_tasks(self) -> None:
+        """Stop the flusher and the heartbeat, and wait (boundedly) until they have.
+
+        The loops also check a flag: a cancellation swallowed inside a Redis call
+        must not leave a heartbeat running forever.
+        """
+        self._closing = True
+        self._wake.set()
         for task in self._tasks:
             task.cancel()
-        for task in self._tasks:
-            with contextlib.suppress(asyncio.CancelledError):
-                await task
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2 * HEARTBEAT_S)
+
+    async def close(self) -> None:
+        """Stop the background tasks and give back every count this replica holds."""
+        await self.stop_tasks()
         self._local.clear()
         self._pending.clear()
         with contextlib.suppress(RedisError, OSError):
