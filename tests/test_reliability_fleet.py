@@ -113,7 +113,11 @@ def test_a_killed_instance_is_taken_out_and_only_its_keys_move(
     )
     # Health check: 1 s interval x 2 failures (+ timeout): out within ~3 s.
     assert taken_out < 3.5, taken_out
-    assert load.failures() == [], load.failures()[:3]  # connect failures are retried
+    # New requests never fail: connect failures are retried along the ring. Only a request
+    # already on the wire to the instance when it died may fail (it is not safe to retry).
+    late = [o for o in load.failures() if o.started > killed + 0.05]
+    assert late == [], late[:3]
+    assert len(load.failures()) <= load.workers, load.failures()
     after = placement(stack)
     changes = moved(before, after)
     assert {old for old, _ in changes.values()} == {str(victim)}
