@@ -1,14 +1,14 @@
 """Envoy External Processing (ext_proc) servicer: the gRPC shell around the router.
 
 Envoy runs the ext_proc filter with ``request_header_mode: SEND``,
-``request_body_mode: BUFFERED_PARTIAL`` and ``response_header_mode: SEND``;
+``request_body_mode: BUFFERED`` and ``response_header_mode: SEND``;
 one gRPC stream carries one HTTP request:
 
 1. request headers -> remember ``:path`` and the tenant header; continue.
    (A header set here would be dropped by Envoy 1.40 in the body phase unless
    headers are SENT, which is why they are.)
-2. request body (the whole body, or its first part when it exceeds Envoy's
-   buffer) -> route it and set ``x-prefix-key`` as a header mutation.
+2. request body (the whole body, up to the 64 MiB limit) -> route it and set
+   ``x-prefix-key`` as a header mutation.
 3. response headers -> continue. Asking for them keeps the stream open until
    the response completes, so the stream's end (normal or a client abort) is
    the request's end: that is when its in-flight count is given back.

@@ -45,7 +45,7 @@ class BootstrapParams:
     node_id: str = "prefix-router-envoy"
     xds: tuple[str, int] | None = None
     """Control plane ``(host, port)``; None for a static fleet."""
-    body_buffer_bytes: int = 4 * 1024 * 1024
+    body_buffer_bytes: int = 64 * 1024 * 1024 + 64 * 1024
     max_body_bytes: int = 64 * 1024 * 1024
     ext_proc_timeout_ms: int = 500
     """Envoy waits this long for each ext_proc answer, then goes on without it
