@@ -117,3 +117,59 @@ class Connection:
     def close(self) -> None:
         if self.writer is not None:
             self.writer.close()
+
+
+class CpuCap:
+    """Confine processes to ``cores`` CPUs with a cgroup CPU quota (needs root).
+
+    Scaling benchmarks on a small machine: capping each ext_proc leaves the machine
+    headroom, so adding a process can show the throughput it adds. Uses the cgroup v1
+    ``cpu`` controller or, on a pure cgroup v2 host, ``cpu.max``.
+    """
+
+    PERIOD_US = 100_000
+
+    def __init__(self, name: str, cores: float) -> None:
+        v1 = Path("/sys/fs/cgroup/cpu")
+        v2 = Path("/sys/fs/cgroup")
+        if (v1 / "cpu.cfs_quota_us").exists():
+            self.root, self.v2 = v1, False
+        elif "cpu" in (v2 / "cgroup.controllers").read_text(errors="ignore").split():
+            self.root, self.v2 = v2, True
+        else:
+            sys.exit("no cgroup cpu controller: run without --cpu-cap")
+        self.path = self.root / name
+        quota = max(1000, int(cores * self.PERIOD_US))
+        try:
+            self.path.mkdir(exist_ok=True)
+            if self.v2:
+                (self.path / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
+            else:
+                (self.path / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+                (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+        except PermissionError:
+            sys.exit("creating a cgroup needs root: run without --cpu-cap")
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def remove(self) -> None:
+        """Move what is left back to the root group and delete the group."""
+        procs = self.path / "cgroup.procs"
+        for pid in procs.read_text().split() if procs.exists() else ():
+            try:
+                (self.root / "cgroup.procs").write_text(pid)
+            except OSError:
+                pass  # exited meanwhile
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far."""
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)
