@@ -18,6 +18,7 @@ import random
 import statistics
 import tempfile
 import time
+from collections.abc import Awaitable
 from pathlib import Path
 
 import psutil
@@ -121,12 +122,28 @@ def rss_mb(stack: Stack) -> dict[str, float]:
     return out
 
 
+async def sampled(
+    stack: Stack, load: Awaitable[dict[str, object]], every: float
+) -> tuple[dict[str, object], list[tuple[float, dict[str, float]]]]:
+    """Run ``load`` while sampling RSS every ``every`` seconds: growth that levels off is
+    warm-up (allocator arenas, gRPC buffers sized by the peak in flight), a leak keeps going."""
+    samples: list[tuple[float, dict[str, float]]] = []
+    started = time.monotonic()
+    task = asyncio.ensure_future(load)
+    while not task.done():
+        samples.append((time.monotonic() - started, rss_mb(stack)))
+        await asyncio.wait({task}, timeout=every)
+    samples.append((time.monotonic() - started, rss_mb(stack)))
+    return task.result(), samples
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--minutes", type=float, default=10.0)
     parser.add_argument("--fraction", type=float, default=0.7)
     parser.add_argument("--probe-seconds", type=float, default=20.0)
     parser.add_argument("--ext-procs", type=int, default=2)
+    parser.add_argument("--sample-seconds", type=float, default=60.0)
     args = parser.parse_args()
 
     run_dir = tempfile.mkdtemp(prefix="soak-")
@@ -146,8 +163,9 @@ def main() -> None:
         rss_warm = rss_mb(stack)  # after the probe: what steady state starts from
         rate = args.fraction * peak
         print(f"max {peak:.0f} req/s; sustaining {rate:.0f} req/s for {args.minutes} min")
-        result = asyncio.run(sustained(Pool(settings.port), rate, args.minutes * 60))
-        rss_end = rss_mb(stack)
+        load = sustained(Pool(settings.port), rate, args.minutes * 60)
+        result, samples = asyncio.run(sampled(stack, load, args.sample_seconds))
+        rss_end = samples[-1][1]
     finally:
         stack.stop()
     lines = [
@@ -164,6 +182,17 @@ def main() -> None:
             f"| {k} | {rss_start[k]:.1f} | {rss_warm.get(k, float('nan')):.1f} "
             f"| {rss_end.get(k, float('nan')):.1f} |"
             for k in rss_start
+        ],
+        "",
+        "RSS (MB) over the sustained phase:",
+        "",
+        "| minute | " + " | ".join(rss_start) + " |",
+        "|---" * (len(rss_start) + 1) + "|",
+        *[
+            f"| {at / 60:.1f} | "
+            + " | ".join(f"{rss.get(k, float('nan')):.1f}" for k in rss_start)
+            + " |"
+            for at, rss in samples
         ],
     ]
     report = "\n".join(lines)
