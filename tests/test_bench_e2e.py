@@ -39,6 +39,8 @@ def test_bench_run_round_robin_and_prefix_through_the_real_stack(tmp_path: Path)
                    for r in result.records)
         assert sum(i.requests for i in result.instances) == 32  # from the fleet's counters
         assert result.bounds is not None and 0 < result.bounds.fleet_lru <= 1
+        # peak in flight is the instances' own high-water mark, at least 1 where requests ran
+        assert all(i.peak_in_flight >= 1 for i in result.instances if i.requests)
     assert all(i.requests > 8 for i in rr.instances)  # Envoy round robin over both
 
     # ext_proc's key reached Envoy's ring: each system prompt stayed on one instance

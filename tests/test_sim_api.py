@@ -343,6 +343,7 @@ async def test_state_shows_requests_in_flight() -> None:
     assert seen == 3
     assert [r.status_code for r in responses] == [200, 200, 200]
     assert final["running"] == 0 and final["finished"] == {"length": 3}
+    assert final["peak_in_flight"] == 3  # the high-water mark outlives the requests
 
 
 async def test_instances_over_real_http_and_client_disconnect_aborts() -> None:

@@ -112,6 +112,9 @@ class Scheduler:
         self.stats = stats if stats is not None else EngineStats()
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
+        self.peak_in_flight = 0
+        """The most requests held at once (waiting + running): benchmarks check a routing
+        policy's concurrency bound against what the instance saw, not a client's view."""
 
     @property
     def has_work(self) -> bool:
@@ -121,6 +124,7 @@ class Scheduler:
         """Queue ``seq`` (FCFS)."""
         seq.status = SeqStatus.WAITING
         self.waiting.append(seq)
+        self.peak_in_flight = max(self.peak_in_flight, len(self.waiting) + len(self.running))
 
     def abort(self, seq: Sequence) -> bool:
         """Drop ``seq`` wherever it is; safe mid-step (``complete`` skips it). True if dropped."""
@@ -242,6 +246,7 @@ class Scheduler:
         return {
             "running": len(self.running),
             "waiting": len(self.waiting),
+            "peak_in_flight": self.peak_in_flight,
             "kv_cache_usage": self.cache.usage,
             "num_free_blocks": self.cache.num_free,
             "num_cached_blocks": self.cache.num_cached_blocks,

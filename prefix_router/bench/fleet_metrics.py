@@ -47,6 +47,8 @@ class InstanceMetrics:
     """Running + waiting requests (a gauge)."""
     busy_s: float | None = None
     """Simulator only: simulated seconds spent stepping."""
+    peak_in_flight: int | None = None
+    """Simulator only: the most requests the instance held at once since it started."""
 
     def minus(self, before: InstanceMetrics) -> InstanceMetrics:
         """Counters over the interval since ``before`` (gauges and config kept as now)."""
@@ -66,6 +68,7 @@ class InstanceMetrics:
             block_size=self.block_size,
             in_flight=self.in_flight,
             busy_s=busy,
+            peak_in_flight=self.peak_in_flight,
         )
 
 
@@ -103,7 +106,10 @@ async def scrape(client: httpx.AsyncClient, url: str) -> InstanceMetrics:
     with contextlib.suppress(httpx.HTTPError, ValueError, KeyError):
         state = await client.get(f"{url}/sim/state")
         if state.status_code == 200:
-            metrics.busy_s = float(state.json()["sim_time_s"])
+            snapshot = state.json()
+            metrics.busy_s = float(snapshot["sim_time_s"])
+            if "peak_in_flight" in snapshot:
+                metrics.peak_in_flight = int(snapshot["peak_in_flight"])
     return metrics
 
 

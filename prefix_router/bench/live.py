@@ -235,7 +235,8 @@ def _instance_stats(
         stats.append(InstanceStats(
             id=url.split("://", 1)[-1],
             requests=int(d.requests),
-            peak_in_flight=client_peaks.get(url, sampled.get(url, 0)),
+            peak_in_flight=d.peak_in_flight if d.peak_in_flight is not None
+            else client_peaks.get(url, sampled.get(url, 0)),
             busy=min(1.0, d.busy_s / model_span_s) if d.busy_s is not None and model_span_s
             else None,
             queries=int(d.queries),
