@@ -5,6 +5,10 @@ every (fleet, config) version read from Redis becomes one snapshot, checked
 with ``consistent()`` before Envoys see it. A snapshot that cannot be built or
 is inconsistent is logged and not published; Envoys keep the last good one.
 
+Instances named by DNS are published with the IPs :func:`keep_names_resolved` found
+for them (re-resolved every few seconds, at once when a new name appears); a changed
+answer republishes the same fleet under a new snapshot version.
+
 Versions only grow. A state older than the one published means Redis lost
 data (a flush, a failover to a stale replica), so it is refused rather than,
 say, publishing an empty fleet to every Envoy; a restarted control plane
@@ -13,11 +17,14 @@ re-seeds an empty namespace from its start-up files.
 
 from __future__ import annotations
 
+import asyncio
+import contextlib
 import logging
 import time
 
 from control_plane.cache import ALL_NODES, SnapshotCache
 from control_plane.snapshot import Snapshot, build_snapshot
+from prefix_router.addresses import Addresses, names_in, resolve
 from prefix_router.config import RouterConfig
 from prefix_router.errors import PrefixRouterError
 from prefix_router.fleet import Fleet
@@ -39,6 +46,22 @@ class Publisher:
         self.fleet: Fleet | None = None
         self.config: RouterConfig | None = None
         self.config_version = 0
+        self.addresses: Addresses = {}
+        self.names_to_resolve = asyncio.Event()
+        """Set when the fleet names an instance whose address is not known yet."""
+
+    def names(self) -> frozenset[str]:
+        """The DNS names the current fleet uses."""
+        return names_in(self.fleet) if self.fleet is not None else frozenset()
+
+    def on_addresses(self, addresses: Addresses) -> None:
+        """New answers for the fleet's names: republish if any IP changed."""
+        if dict(addresses) == dict(self.addresses):
+            return
+        log.info("instance names resolved: %s", dict(sorted(addresses.items())))
+        self.addresses = dict(addresses)
+        if self.fleet is not None and self.config is not None:
+            self._publish(self.fleet, self.config, self.config_version)
 
     def on_state(self, fleet: Fleet, config: RouterConfig, config_version: int) -> None:
         if self.fleet is not None and (
@@ -54,8 +77,15 @@ class Publisher:
                 self.published.version if self.published else None,
             )
             return
+        if not names_in(fleet) <= set(self.addresses):
+            self.names_to_resolve.set()
+        self._publish(fleet, config, config_version)
+
+    def _publish(self, fleet: Fleet, config: RouterConfig, config_version: int) -> None:
         try:
-            snapshot = build_snapshot(fleet, config, config_version=config_version)
+            snapshot = build_snapshot(
+                fleet, config, config_version=config_version, addresses=self.addresses
+            )
             snapshot.consistent()
         except (PrefixRouterError, ValueError) as exc:
             log.error("not publishing fleet %d / config %d: %s", fleet.version, config_version, exc)
@@ -70,3 +100,20 @@ class Publisher:
             len(fleet.instances),
             len(fleet.routable),
         )
+
+
+async def keep_names_resolved(
+    publisher: Publisher, stop: asyncio.Event, *, interval_s: float = 10.0
+) -> None:
+    """Resolve the fleet's DNS names at once when a new one appears and every
+    ``interval_s`` after (a restarted pod may come back under a new IP)."""
+    while not stop.is_set():
+        publisher.names_to_resolve.clear()
+        names = publisher.names()
+        if names:
+            publisher.on_addresses(await resolve(names))
+        waits = [asyncio.ensure_future(e.wait()) for e in (stop, publisher.names_to_resolve)]
+        with contextlib.suppress(TimeoutError):
+            await asyncio.wait(waits, timeout=interval_s, return_when=asyncio.FIRST_COMPLETED)
+        for w in waits:
+            w.cancel()

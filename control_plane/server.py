@@ -42,7 +42,7 @@ from control_plane.callbacks import ClientRegistry
 from control_plane.drain import Drainer
 from control_plane.fleet_view import FleetView
 from control_plane.health import HealthProber
-from control_plane.publisher import Publisher
+from control_plane.publisher import Publisher, keep_names_resolved
 from control_plane.service import AdminService
 from prefix_router.config import RouterConfig, load_config_file, parse_config
 from prefix_router.errors import ConfigError, FleetError, StartupError
@@ -196,6 +196,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             name="watch_state",
         ),
         asyncio.create_task(drainer.run(stop), name="drainer"),
+        asyncio.create_task(keep_names_resolved(publisher, stop), name="resolve_names"),
     ]
     if settings.health_probe:
         tasks.append(asyncio.create_task(prober.run(stop), name="health"))

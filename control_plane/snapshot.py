@@ -18,6 +18,7 @@ orphaned (go-control-plane's ``Consistent``).
 
 from __future__ import annotations
 
+import hashlib
 from collections.abc import Mapping
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -31,6 +32,7 @@ from google.protobuf import any_pb2  # type: ignore[import-untyped]
 from google.protobuf.json_format import ParseDict  # type: ignore[import-untyped]
 from google.protobuf.message import Message  # type: ignore[import-untyped]
 
+from prefix_router.addresses import Addresses, names_in
 from prefix_router.config import RouterConfig
 from prefix_router.envoy_cluster import load_assignment, model_cluster
 from prefix_router.errors import PrefixRouterError
@@ -46,9 +48,17 @@ class InconsistentSnapshot(PrefixRouterError):
     """A snapshot whose resources do not reference each other correctly."""
 
 
-def snapshot_version(fleet_version: int, config_version: int) -> str:
-    """The xDS ``version_info``: deterministic, so every replica and restart agree."""
-    return f"{fleet_version}.{config_version}"
+def snapshot_version(
+    fleet_version: int, config_version: int, addresses: Addresses = MappingProxyType({})
+) -> str:
+    """The xDS ``version_info``: deterministic, so every replica and restart agree. When
+    instances are named by DNS, a digest of what the names resolved to is appended: a pod
+    back under a new IP is a new snapshot with the same fleet version."""
+    version = f"{fleet_version}.{config_version}"
+    if addresses:
+        text = ",".join(f"{n}={a}" for n, a in sorted(addresses.items()))
+        version += "." + hashlib.sha256(text.encode()).hexdigest()[:8]
+    return version
 
 
 @dataclass(frozen=True, slots=True)
@@ -110,11 +120,18 @@ def build_snapshot(
     config: RouterConfig,
     *,
     config_version: int,
+    addresses: Addresses = MappingProxyType({}),
 ) -> Snapshot:
-    """The snapshot every Envoy should run for this fleet and config. Pure."""
-    cluster = ParseDict(model_cluster(config, fleet, eds=True), cluster_pb2.Cluster())
-    assignment = ParseDict(load_assignment(fleet), endpoint_pb2.ClusterLoadAssignment())
+    """The snapshot every Envoy should run for this fleet and config. Pure: the instances
+    named by DNS come resolved in ``addresses`` (:mod:`prefix_router.addresses`)."""
+    addresses = {n: a for n, a in addresses.items() if n in names_in(fleet)}
+    cluster = ParseDict(
+        model_cluster(config, fleet, eds=True, addresses=addresses), cluster_pb2.Cluster()
+    )
+    assignment = ParseDict(
+        load_assignment(fleet, addresses), endpoint_pb2.ClusterLoadAssignment()
+    )
     return Snapshot.of(
-        snapshot_version(fleet.version, config_version),
+        snapshot_version(fleet.version, config_version, addresses),
         {CLUSTER_TYPE: [cluster], ENDPOINT_TYPE: [assignment]},
     )

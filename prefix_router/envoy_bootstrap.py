@@ -10,7 +10,6 @@ Two fleet sources:
 
 from __future__ import annotations
 
-import ipaddress
 import json
 from dataclasses import dataclass
 from importlib import resources
@@ -18,6 +17,7 @@ from pathlib import Path
 from string import Template
 from typing import Any
 
+from prefix_router.addresses import is_ip_literal, names_in, resolve_now
 from prefix_router.config import RouterConfig
 from prefix_router.envoy_cluster import MODEL_CLUSTER, model_cluster
 from prefix_router.fleet import Fleet
@@ -54,14 +54,6 @@ class BootstrapParams:
     """Static fleet only: the model cluster's load balancer (benchmark baselines)."""
 
 
-def _is_ip_literal(host: str) -> bool:
-    try:
-        ipaddress.ip_address(host)
-    except ValueError:
-        return False
-    return True
-
-
 def _static_cluster(
     name: str, hosts: tuple[tuple[str, int], ...], *, http2: bool
 ) -> dict[str, Any]:
@@ -70,7 +62,7 @@ def _static_cluster(
     With a name (a compose service, a Kubernetes headless Service) Envoy resolves every
     A/AAAA record and re-resolves periodically, so all replicas behind it are used.
     """
-    by_ip = all(_is_ip_literal(h) for h, _ in hosts)
+    by_ip = all(is_ip_literal(h) for h, _ in hosts)
     cluster: dict[str, Any] = {
         "name": name,
         "type": "STATIC" if by_ip else "STRICT_DNS",
@@ -185,7 +177,12 @@ def render_bootstrap(
     else:
         if fleet is None:
             raise ValueError("a static bootstrap needs the fleet")
-        clusters.append(model_cluster(config, fleet, eds=False, lb_policy=params.lb_policy))
+        addresses = resolve_now(names_in(fleet))
+        clusters.append(
+            model_cluster(
+                config, fleet, eds=False, lb_policy=params.lb_policy, addresses=addresses
+            )
+        )
     template = Template(template_path().read_text())
     return template.substitute(
         node_id=params.node_id,

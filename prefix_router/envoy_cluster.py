@@ -8,8 +8,10 @@ defined once.
 
 from __future__ import annotations
 
+from collections.abc import Mapping
 from typing import Any
 
+from prefix_router.addresses import Addresses, is_ip_literal, publishable, published_address
 from prefix_router.config import RouterConfig
 from prefix_router.fleet import Fleet, Instance, InstanceState
 from prefix_router.ring import ring_size_for
@@ -22,14 +24,24 @@ def _duration(ms: int) -> str:
     return f"{ms / 1000:.3f}s"
 
 
+_NO_ADDRESSES: Mapping[str, str] = {}
+
+
 def model_cluster(
-    config: RouterConfig, fleet: Fleet, *, eds: bool, lb_policy: str = "RING_HASH"
+    config: RouterConfig,
+    fleet: Fleet,
+    *,
+    eds: bool,
+    lb_policy: str = "RING_HASH",
+    addresses: Addresses = _NO_ADDRESSES,
 ) -> dict[str, Any]:
     """Envoy ``Cluster`` (JSON form) for the fleet; with ``eds`` its endpoints come from EDS.
 
     ``lb_policy`` other than ``RING_HASH`` (``ROUND_ROBIN``, ``LEAST_REQUEST``) is for
-    benchmark baselines only: the prefix key is then ignored.
+    benchmark baselines only: the prefix key is then ignored. ``addresses`` resolves the
+    instances named by DNS (:mod:`prefix_router.addresses`); unresolved ones are left out.
     """
+    fleet = publishable(fleet, addresses)
     hc = config.health_check
     od = config.outlier_detection
     cb = config.circuit_breakers
@@ -91,7 +103,7 @@ def model_cluster(
         }
     else:
         cluster["type"] = "STATIC"
-        cluster["load_assignment"] = load_assignment(fleet)
+        cluster["load_assignment"] = load_assignment(fleet, addresses)
     return cluster
 
 
@@ -105,27 +117,31 @@ def _ring_hash_config(config: RouterConfig, fleet: Fleet) -> dict[str, Any]:
     }
 
 
-def load_assignment(fleet: Fleet) -> dict[str, Any]:
-    """Envoy ``ClusterLoadAssignment`` (JSON form): every instance, draining ones marked so."""
-    return {
-        "cluster_name": MODEL_CLUSTER,
-        "endpoints": [{"lb_endpoints": [_lb_endpoint(i) for i in fleet.instances]}],
-    }
+def load_assignment(fleet: Fleet, addresses: Addresses = _NO_ADDRESSES) -> dict[str, Any]:
+    """Envoy ``ClusterLoadAssignment`` (JSON form): every instance with an address (a
+    DNS name must be in ``addresses``), draining ones marked so."""
+    endpoints = []
+    for instance in fleet.instances:
+        address = published_address(instance, addresses)
+        if address is not None:
+            endpoints.append(_lb_endpoint(instance, address))
+    return {"cluster_name": MODEL_CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]}
 
 
-def _lb_endpoint(instance: Instance) -> dict[str, Any]:
+def _lb_endpoint(instance: Instance, address: str) -> dict[str, Any]:
     endpoint: dict[str, Any] = {
         "endpoint": {
-            "address": {
-                "socket_address": {"address": instance.address, "port_value": instance.port}
-            },
+            "address": {"socket_address": {"address": address, "port_value": instance.port}},
             "hostname": instance.id,
         },
         "load_balancing_weight": instance.weight,
         "health_status": _health_status(instance),
     }
-    if instance.hash_key:
-        endpoint["metadata"] = {"filter_metadata": {"envoy.lb": {"hash_key": instance.hash_key}}}
+    # A named instance keeps its ring position whatever IP the name resolves to: Envoy
+    # hashes its id, as ext_proc's mirror does (Instance.ring_key).
+    hash_key = instance.hash_key or (None if is_ip_literal(instance.address) else instance.id)
+    if hash_key:
+        endpoint["metadata"] = {"filter_metadata": {"envoy.lb": {"hash_key": hash_key}}}
     return endpoint
 
 

@@ -177,3 +177,29 @@ def test_several_envoys_follow_and_reconnect_after_a_control_plane_restart(
 def acked(admin: httpx.Client) -> dict[str, str]:
     clients = admin.get("/status").json()["xds_clients"]
     return {c["node_id"]: c["acked"].get("eds", "") for c in clients if c["connected"]}
+
+
+def test_an_instance_named_by_dns_is_published_by_ip_and_routed_where_the_mirror_says(
+    namespace: str, procs: ProcessReaper, log_dir: Path
+) -> None:
+    stack, _ = start_xds_stack(procs, log_dir, namespace, backends=2, spare_backends=1)
+    named = stack.backend_ports[2]
+    with stack.admin() as admin, httpx.Client(timeout=10) as client:
+        r = admin.post("/instances", json={"address": "localhost", "port": named})
+        assert r.status_code == 201, r.text
+        wait_until(lambda: f"127.0.0.1:{named}" in stack.envoy_hosts(), 5,
+                   "Envoy got the name's IP over EDS")  # fmt: skip
+        host = stack.envoy_hosts()[f"127.0.0.1:{named}"]
+        assert host["hostname"] == f"localhost:{named}"
+        fleet = Fleet.from_json_dict(admin.get("/instances").json())
+        assert f"localhost:{named}" in {i.id for i in fleet.routable}
+        ring = Ring.build(fleet.routable, minimum_ring_size=256 * 3)
+        time.sleep(1.0)  # ext_proc follows the fleet within 1 s
+        served: set[str] = set()
+        for n in range(150):
+            answer = client.post(f"{stack.url}/v1/chat/completions", content=chat(f"q{n} " * 8))
+            assert answer.status_code == 200, answer.text
+            picked = ring.pick(answer.json()["prefix_key"])
+            assert picked is not None and str(picked.port) == answer.json()["backend"]
+            served.add(answer.json()["backend"])
+        assert str(named) in served and len(served) == 3

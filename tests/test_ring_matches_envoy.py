@@ -16,9 +16,11 @@ from tests.support.static_stack import start_static_stack
 pytestmark = pytest.mark.e2e
 
 CONFIGS = {
-    "three-equal": ([1, 1, 1], None),
-    "five-weighted": ([1, 2, 3, 1, 5], None),
-    "four-hash-keys": ([2, 1, 1, 3], ["gpu-a", "gpu-b", None, "gpu-d"]),
+    "three-equal": ([1, 1, 1], None, None),
+    "five-weighted": ([1, 2, 3, 1, 5], None, None),
+    "four-hash-keys": ([2, 1, 1, 3], ["gpu-a", "gpu-b", None, "gpu-d"], None),
+    # named by DNS: Envoy gets 127.0.0.1, and hashes "localhost:port" as the mirror does
+    "three-named": ([1, 2, 1], None, ["localhost", "127.0.0.1", "localhost"]),
 }
 
 
@@ -26,9 +28,14 @@ CONFIGS = {
 def test_mirror_agrees_with_envoy_on_500_random_keys(
     name: str, procs: ProcessReaper, log_dir: Path
 ) -> None:
-    weights, hash_keys = CONFIGS[name]
+    weights, hash_keys, addresses = CONFIGS[name]
     stack = start_static_stack(
-        procs, log_dir, backends=len(weights), weights=weights, hash_keys=hash_keys
+        procs,
+        log_dir,
+        backends=len(weights),
+        weights=weights,
+        hash_keys=hash_keys,
+        addresses=addresses,
     )
     routable = stack.fleet.routable
     ring = Ring.build(

@@ -37,6 +37,7 @@ def start_static_stack(
     config: RouterConfig | None = None,
     weights: Sequence[int] | None = None,
     hash_keys: Sequence[str | None] | None = None,
+    addresses: Sequence[str] | None = None,
     start_ext_procs: bool = True,
     sim_args: Sequence[str] | None = None,
     ext_proc_args: Sequence[str] = (),
@@ -46,10 +47,11 @@ def start_static_stack(
     ports = [free_port() for _ in range(backends)]
     weights = weights or [1] * backends
     hash_keys = hash_keys or [None] * backends
+    addresses = addresses or ["127.0.0.1"] * backends
     fleet = Fleet.of(
         [
-            Instance("127.0.0.1", p, weight=w, hash_key=k)
-            for p, w, k in zip(ports, weights, hash_keys, strict=True)
+            Instance(a, p, weight=w, hash_key=k)
+            for a, p, w, k in zip(addresses, ports, weights, hash_keys, strict=True)
         ]
     )
     stack = StaticStack(

@@ -1,0 +1,104 @@
+"""Instances named by DNS: Envoy gets IP literals, the ring keeps the name."""
+
+from __future__ import annotations
+
+import asyncio
+
+from envoy.config.cluster.v3 import cluster_pb2
+from envoy.config.endpoint.v3 import endpoint_pb2
+
+from control_plane.cache import ALL_NODES, SnapshotCache
+from control_plane.publisher import Publisher, keep_names_resolved
+from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, Snapshot, build_snapshot
+from prefix_router.addresses import is_ip_literal, names_in, publishable, resolve, resolve_now
+from prefix_router.config import RouterConfig
+from prefix_router.fleet import Fleet, Instance
+
+IP = Instance("10.0.0.1", 8000)
+NAMED = Instance("vllm-0.vllm.ns.svc", 8000)
+GONE = Instance("vllm-9.vllm.ns.svc", 8000)
+FLEET = Fleet.of([IP, NAMED, GONE], version=4)
+
+
+def endpoints(snapshot: Snapshot) -> list[tuple[str, str, str | None]]:
+    """(socket address, hostname, hash_key) of every published endpoint."""
+    [cla_any] = snapshot.select(ENDPOINT_TYPE, frozenset())
+    cla = endpoint_pb2.ClusterLoadAssignment()
+    cla_any.Unpack(cla)
+    out = []
+    for e in cla.endpoints[0].lb_endpoints:
+        meta = e.metadata.filter_metadata.get("envoy.lb")
+        hash_key = meta.fields["hash_key"].string_value if meta else None
+        out.append((e.endpoint.address.socket_address.address, e.endpoint.hostname, hash_key))
+    return out
+
+
+def ring_size(snapshot: Snapshot) -> int:
+    [cluster_any] = snapshot.select(CLUSTER_TYPE, frozenset())
+    cluster = cluster_pb2.Cluster()
+    cluster_any.Unpack(cluster)
+    return int(cluster.ring_hash_lb_config.minimum_ring_size.value)
+
+
+def test_names_and_ip_literals_are_told_apart() -> None:
+    assert is_ip_literal("10.0.0.1") and is_ip_literal("::1")
+    assert not is_ip_literal("localhost") and not is_ip_literal("vllm-0.vllm")
+    assert names_in(FLEET) == {NAMED.address, GONE.address}
+    assert publishable(FLEET, {NAMED.address: "10.1.0.5"}).instances == (IP, NAMED)
+    assert publishable(Fleet.of([IP]), {}) == Fleet.of([IP])
+
+
+def test_a_named_instance_is_published_by_ip_and_hashed_by_its_name() -> None:
+    snapshot = build_snapshot(
+        FLEET, RouterConfig(), config_version=2, addresses={NAMED.address: "10.1.0.5"}
+    )
+    snapshot.consistent()
+    # the unresolved name is left out of the endpoints and of the ring size alike
+    assert endpoints(snapshot) == [
+        ("10.0.0.1", IP.id, None),
+        ("10.1.0.5", NAMED.id, NAMED.id),  # Envoy hashes what ext_proc's mirror hashes
+    ]
+    assert NAMED.ring_key == NAMED.id
+    assert ring_size(snapshot) == 2 * RouterConfig().ring.entries_per_weight
+
+
+def test_a_new_ip_for_the_same_name_is_a_new_snapshot_version() -> None:
+    def version(ip: str) -> str:
+        return build_snapshot(
+            FLEET, RouterConfig(), config_version=2, addresses={NAMED.address: ip}
+        ).version
+
+    assert version("10.1.0.5") != version("10.1.0.6")
+    assert version("10.1.0.5") == version("10.1.0.5")  # deterministic: replicas agree
+    assert version("10.1.0.5").startswith("4.2.")
+    assert build_snapshot(Fleet.of([IP], version=4), RouterConfig(), config_version=2).version == "4.2"
+
+
+def test_resolving_keeps_answers_and_drops_failures() -> None:
+    assert resolve_now(["localhost", "no-such-host.invalid"]) == {"localhost": "127.0.0.1"}
+    answers = asyncio.run(resolve(["localhost", "no-such-host.invalid"], timeout_s=5))
+    assert answers == {"localhost": "127.0.0.1"}
+
+
+async def test_the_publisher_resolves_a_new_name_at_once_and_republishes() -> None:
+    cache = SnapshotCache()
+    publisher = Publisher(cache)
+    stop = asyncio.Event()
+    named = Instance("localhost", 8001)
+    resolver = asyncio.create_task(keep_names_resolved(publisher, stop, interval_s=60))
+    try:
+        await asyncio.sleep(0.05)
+        publisher.on_state(Fleet.of([IP, named], version=3), RouterConfig(), 1)
+        first = cache.get_snapshot(ALL_NODES)
+        assert first is not None and [e[0] for e in endpoints(first)] == ["10.0.0.1"]
+        for _ in range(100):  # woken by the new name, not by the 60 s interval
+            published = cache.get_snapshot(ALL_NODES)
+            if published is not None and published.version != first.version:
+                break
+            await asyncio.sleep(0.02)
+        assert published is not None and published.version.startswith("3.1.")
+        assert endpoints(published) == [("10.0.0.1", IP.id, None),
+                                        ("127.0.0.1", named.id, named.id)]
+    finally:
+        stop.set()
+        await asyncio.wait_for(resolver, 5)
