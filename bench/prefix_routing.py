@@ -2,7 +2,7 @@
 
     python bench/prefix_routing.py live       # 6 workloads x 4 policies, real stack (~3 h)
     python bench/prefix_routing.py des        # the same runs in virtual time (~5 min)
-    python bench/prefix_routing.py des-large  # 128 instances, 100k requests, resizes
+    python bench/prefix_routing.py des-large  # 128 and 256 instances, 100k requests, resizes
     python bench/prefix_routing.py report     # rebuild report.md and the PNGs
 
 ``live --only rag,unique`` runs a subset (the results of the others are kept). Every step
@@ -24,6 +24,7 @@ from prefix_router.bench.cli import main as bench  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "prefix-routing"
 LARGE = ROOT / "bench" / "results" / "des-large"
+LARGEST = ROOT / "bench" / "results" / "des-256"
 
 FLEET = ["--instances", "4", "--num-gpu-blocks", "8192", "--concurrency-threshold", "16"]
 """Four Llama-3.1-70B / 8xH100 instances, with a KV pool of 8,192 blocks (131k tokens)."""
@@ -36,6 +37,9 @@ WORKLOADS: dict[str, list[str]] = {
     "code": ["--requests", "1000", "--rate", "2"],
     "hot-prefix": ["--requests", "1500", "--rate", "14"],
 }
+POLICIES = {"unique": "all,prefix-relative"}
+"""Where nothing is shared, spilling above 1.25 x the fleet's mean load (relative-load) is
+the lever that keeps prefix routing as even as round robin."""
 
 LARGE_RUN = [
     "--workload", "rag", "--instances", "128", "--num-gpu-blocks", "8192",
@@ -45,6 +49,14 @@ LARGE_RUN = [
 ]
 """128 instances, 3,072 documents (24 per instance), 100k requests; 32 instances join at
 500 s and 32 random ones leave at 1,000 s."""
+
+LARGEST_RUN = [
+    "--workload", "rag", "--instances", "256", "--num-gpu-blocks", "8192",
+    "--concurrency-threshold", "16", "--requests", "100000", "--rate", "128",
+    "--set", "docs=6144", "--resize", "300:+64,550:-64", "--window", "10",
+    "--policies", "round-robin,prefix-spill",
+]
+"""256 instances, the same per-instance load and working set, 64 join and 64 leave."""
 
 
 def run(args: list[str]) -> None:
@@ -63,18 +75,20 @@ def main() -> None:
     chosen = [w for w in args.only.split(",") if w]
     if args.part == "live":
         for name in chosen:
-            run(["run", "--workload", name, *WORKLOADS[name], *FLEET, "--time-scale", "1",
-                 "--policies", "all", "--out", str(OUT)])
+            run(["run", "--workload", name, *FLEET, *WORKLOADS[name], "--time-scale", "1",
+                 "--policies", POLICIES.get(name, "all"), "--out", str(OUT)])
     elif args.part == "des":
         for name in chosen:
-            run(["des", "--workload", name, *WORKLOADS[name], *FLEET, "--policies", "all",
-                 "--out", str(OUT)])
+            run(["des", "--workload", name, *FLEET, *WORKLOADS[name],
+                 "--policies", POLICIES.get(name, "all"), "--out", str(OUT)])
     elif args.part == "des-large":
         run(["des", *LARGE_RUN, "--out", str(LARGE)])
+        run(["des", *LARGEST_RUN, "--out", str(LARGEST)])
     else:
         run(["report", str(OUT)])
-        if LARGE.exists():
-            run(["report", str(LARGE)])
+        for folder in (LARGE, LARGEST):
+            if folder.exists():
+                run(["report", str(folder)])
 
 
 if __name__ == "__main__":

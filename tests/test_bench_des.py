@@ -140,3 +140,21 @@ def test_resize_parsing() -> None:
     assert parse_resizes("600:-8, 300:+16") == (Resize(300.0, 16), Resize(600.0, -8))
     with pytest.raises(ValueError, match="TIME"):
         parse_resizes("soon:+1")
+
+
+def test_policies_map_to_the_spill_rules_and_all_means_the_four_compared_by_default() -> None:
+    from prefix_router.bench.policies import ALL_POLICIES, parse_policies
+    from prefix_router.config import SpillPolicyName
+
+    assert parse_policies("all") == ALL_POLICIES and Policy.PREFIX_RELATIVE not in ALL_POLICIES
+    assert parse_policies("prefix-relative") == (Policy.PREFIX_RELATIVE,)
+    assert parse_policies("all,prefix-relative") == (*ALL_POLICIES, Policy.PREFIX_RELATIVE)
+    base = RouterConfig()
+    spill = {p: p.router_config(base).spill.policy for p in Policy if p.uses_router}
+    assert spill == {
+        Policy.PREFIX: SpillPolicyName.NONE,
+        Policy.PREFIX_SPILL: SpillPolicyName.BOUNDED_LOAD,
+        Policy.PREFIX_RELATIVE: SpillPolicyName.RELATIVE_LOAD,
+    }
+    with pytest.raises(ValueError, match="unknown policy"):
+        parse_policies("prefix,fastest")

@@ -18,6 +18,7 @@ import argparse
 import sys
 from collections.abc import Callable, Sequence
 from pathlib import Path
+from typing import Any
 
 from prefix_router.bench.des import DesSettings, parse_resizes, simulate
 from prefix_router.bench.policies import Policy, parse_policies
@@ -125,14 +126,21 @@ def _router(args: argparse.Namespace) -> RouterConfig:
 def _progress(total: int, label: str) -> tuple[Callable[[RequestRecord], None], Callable[[], None]]:
     from tqdm import tqdm  # type: ignore[import-untyped]
 
-    bar = tqdm(total=total, desc=label, unit="req", mininterval=1.0, file=sys.stderr)
+    bars: list[Any] = []  # created at the first request, so start-up is not in its rate
 
     def tick(record: RequestRecord) -> None:
-        bar.update(1)
+        if not bars:
+            bars.append(tqdm(total=total, desc=label, unit="req", mininterval=1.0,
+                             file=sys.stderr))
+        bars[0].update(1)
         if record.error is not None:
-            bar.set_postfix_str(f"last error: {record.error[:40]}", refresh=False)
+            bars[0].set_postfix_str(f"last error: {record.error[:40]}", refresh=False)
 
-    return tick, bar.close
+    def close() -> None:
+        if bars:
+            bars[0].close()
+
+    return tick, close
 
 
 def _counter(tick: Callable[[RequestRecord], None]) -> Callable[[int], None]:
@@ -265,8 +273,10 @@ def write_report(folder: Path) -> Path:
         for workload, results in by_workload.items():
             stem = f"{mode}-{workload.replace(':', '-').replace('/', '-')}"
             first = results[0]
+            size = first.notes.get("instances", len(first.instances))
+            resizes = "".join(f"; at {at:g} s {what}" for at, what in first.events)
             lines += [f"### {workload} ({mode})", "",
-                      f"Workload: {first.params}. Fleet: {len(first.instances)} instances, "
+                      f"Workload: {first.params}. Fleet: {size} instances{resizes}; "
                       f"{_describe_notes(first)}.", "", table(results), ""]
             for path in write_plots(results, folder / "plots", stem, f"{workload} ({mode})"):
                 lines.append(f"![{path.stem}](plots/{path.name})")

@@ -7,7 +7,11 @@ policy             Envoy ``lb_policy``  ext_proc  spill (``RouterConfig.spill``)
 ``least-request``  LEAST_REQUEST        off       -
 ``prefix``         RING_HASH            on        ``none``: always the key's home
 ``prefix-spill``   RING_HASH            on        ``bounded-load`` at ConcurrencyThreshold
+``prefix-relative``  RING_HASH          on        ``relative-load`` (load_factor x mean)
 =================  ===================  ========  =================================
+
+``all`` means the first four; ``prefix-relative`` (spill above load_factor x the fleet's
+mean in flight, a bound that follows the load) is asked for by name.
 
 The live driver runs each through the same Envoy, bootstrap and simulated instances
 (:mod:`prefix_router.bench.live`); the discrete-event simulation routes with the same
@@ -26,6 +30,7 @@ class Policy(StrEnum):
     LEAST_REQUEST = "least-request"
     PREFIX = "prefix"
     PREFIX_SPILL = "prefix-spill"
+    PREFIX_RELATIVE = "prefix-relative"
 
     @property
     def envoy_lb_policy(self) -> str:
@@ -37,25 +42,33 @@ class Policy(StrEnum):
     @property
     def uses_router(self) -> bool:
         """True when ext_proc computes a prefix key and Envoy hashes it."""
-        return self in (Policy.PREFIX, Policy.PREFIX_SPILL)
+        return self in (Policy.PREFIX, Policy.PREFIX_SPILL, Policy.PREFIX_RELATIVE)
 
     def router_config(self, base: RouterConfig) -> RouterConfig:
         """``base`` with this policy's spill rule."""
-        spill = (
-            SpillPolicyName.BOUNDED_LOAD if self is Policy.PREFIX_SPILL else SpillPolicyName.NONE
-        )
+        spill = {
+            Policy.PREFIX_SPILL: SpillPolicyName.BOUNDED_LOAD,
+            Policy.PREFIX_RELATIVE: SpillPolicyName.RELATIVE_LOAD,
+        }.get(self, SpillPolicyName.NONE)
         return base.patched({"spill": {"policy": spill.value}})
 
 
-ALL_POLICIES: tuple[Policy, ...] = tuple(Policy)
+ALL_POLICIES: tuple[Policy, ...] = (
+    Policy.ROUND_ROBIN,
+    Policy.LEAST_REQUEST,
+    Policy.PREFIX,
+    Policy.PREFIX_SPILL,
+)
 
 
 def parse_policies(text: str) -> tuple[Policy, ...]:
-    """``"round-robin,prefix"`` -> policies; ``"all"`` -> every policy."""
-    if text.strip() == "all":
-        return ALL_POLICIES
-    try:
-        return tuple(Policy(p.strip()) for p in text.split(",") if p.strip())
-    except ValueError:
-        known = ", ".join(p.value for p in Policy)
-        raise ValueError(f"unknown policy in {text!r}; known: {known}, all") from None
+    """``"round-robin,prefix"`` -> policies; ``"all"`` (alone or in a list) -> the four."""
+    out: list[Policy] = []
+    for name in filter(None, (p.strip() for p in text.split(","))):
+        try:
+            chosen = ALL_POLICIES if name == "all" else (Policy(name),)
+        except ValueError:
+            known = ", ".join(p.value for p in Policy)
+            raise ValueError(f"unknown policy in {text!r}; known: {known}, all") from None
+        out += [p for p in chosen if p not in out]
+    return tuple(out)

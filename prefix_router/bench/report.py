@@ -22,6 +22,7 @@ _COLORS = {
     "least-request": "#bcbd22",
     "prefix": "#1f77b4",
     "prefix-spill": "#d62728",
+    "prefix-relative": "#9467bd",
 }
 
 
@@ -208,10 +209,17 @@ def plot_instances(results: Sequence[RunResult], path: Path, title: str) -> None
     fig, (top, bottom) = plt.subplots(2, 1, figsize=(6.4, 4.6), sharex=True)
     width = 0.8 / max(1, len(results))
     for k, r in enumerate(results):
-        xs = [j + k * width for j in range(len(r.instances))]
         color = _COLORS.get(r.policy)
-        top.bar(xs, [i.requests for i in r.instances], width, label=r.policy, color=color)
-        bottom.bar(xs, [i.peak_in_flight for i in r.instances], width, color=color)
+        requests = [i.requests for i in r.instances]
+        peaks = [i.peak_in_flight for i in r.instances]
+        if many:  # too many bars: each policy's instances sorted, busiest first
+            ranks = range(len(requests))
+            top.step(ranks, sorted(requests, reverse=True), label=r.policy, color=color)
+            bottom.step(ranks, sorted(peaks, reverse=True), color=color)
+            continue
+        xs = [j + k * width for j in range(len(requests))]
+        top.bar(xs, requests, width, label=r.policy, color=color)
+        bottom.bar(xs, peaks, width, color=color)
     threshold = next((r.notes.get("concurrency_threshold") for r in results
                       if r.notes.get("concurrency_threshold")), None)
     if threshold:
@@ -221,9 +229,12 @@ def plot_instances(results: Sequence[RunResult], path: Path, title: str) -> None
     bottom.set_ylabel("peak in flight")
     top.set_title(f"Per instance: {title}")
     top.legend(fontsize=7, ncol=len(results))
-    bottom.set_xticks([j + 0.4 - width / 2 for j in range(count)])
-    bottom.set_xticklabels([] if many else [f"vllm-{j}" for j in range(count)])
-    bottom.set_xlabel(f"instance ({count})" if many else "instance")
+    if many:
+        bottom.set_xlabel(f"instances ranked by the value shown ({count} instances)")
+    else:
+        bottom.set_xticks([j + 0.4 - width / 2 for j in range(count)])
+        bottom.set_xticklabels([f"vllm-{j}" for j in range(count)])
+        bottom.set_xlabel("instance")
     fig.tight_layout()
     fig.savefig(path)
     plt.close(fig)
@@ -284,7 +295,7 @@ def check_goals(
         busy = rr.min_busy
         lines.append(f"- {workload}: round robin keeps every instance >= {_pct(busy)} busy "
                      f"({verdict(busy is not None and busy >= 0.6)} the >= 60% load condition)")
-        for policy in ("prefix", "prefix-spill"):
+        for policy in ("prefix", "prefix-spill", "prefix-relative"):
             r = get(workload, policy)
             if r is None or r.bounds is None:
                 continue
@@ -298,7 +309,7 @@ def check_goals(
                 f"{tput * 100:+.1f}% ({verdict(tput >= -0.005)}, goal not lower)"
             )
     rr = get("unique", BASELINE)
-    for policy in ("prefix", "prefix-spill"):
+    for policy in ("prefix", "prefix-spill", "prefix-relative"):
         r = get("unique", policy)
         if rr is not None and r is not None:
             change = r.ttft(50) / rr.ttft(50) - 1
