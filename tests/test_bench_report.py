@@ -65,6 +65,13 @@ def test_goal_verdicts_follow_the_numbers() -> None:
     ]})
     assert "peak in flight 17 per instance vs ConcurrencyThreshold 16 (**missed**)" in hot[0]
     assert hot[0].endswith("without spill (**met**)")
+    unique = check_goals({"unique": [
+        result("round-robin", [0.20] * 10, hits=0, workload="unique"),
+        result("prefix", [0.22] * 10, hits=0, workload="unique"),
+        result("prefix-relative", [0.18] * 10, hits=0, workload="unique"),
+    ]})
+    assert "+10.0% vs round robin (**missed**" in unique[0]
+    assert "-10.0% vs round robin (**met**" in unique[1]
 
 
 def test_results_survive_json_and_render(tmp_path: Path) -> None:
