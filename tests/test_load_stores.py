@@ -76,6 +76,24 @@ async def test_relative_load_matches_the_pure_rule(make_store: StoreFactory) -> 
         loads[IDS[got.index]] += 1
 
 
+async def test_concurrent_reserves_follow_the_pure_rule_in_order(make_store: StoreFactory) -> None:
+    """Reserves queued together (one Redis round trip) each see the ones before them."""
+    store = await make_store()
+    for rule in (BOUNDED, RELATIVE):
+        taken = await asyncio.gather(*(store.reserve(IDS, rule, 3) for _ in range(9)))
+        loads = {i: 0 for i in IDS}
+        for got in taken:
+            expected = choose(
+                [loads[i] for i in IDS], rule, fleet_total=sum(loads.values()), fleet_size=3
+            )
+            assert (got.index, list(got.loads)) == (expected, [loads[i] for i in IDS])
+            loads[IDS[got.index]] += 1
+        for got in taken:
+            store.release(IDS[got.index])
+        await settle(store)
+        assert await store.in_flight() == {}
+
+
 async def test_releases_bring_every_count_back_to_zero(make_store: StoreFactory) -> None:
     store = await make_store()
     taken = [IDS[(await store.reserve(IDS, BOUNDED, 3)).index] for _ in range(6)]

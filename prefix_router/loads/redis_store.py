@@ -10,14 +10,16 @@ Layout (``ns`` is the namespace, e.g. ``prefix-router:``):
 ``{ns}spills``              list  the last 100 spills, newest first, as JSON
                                   ``{time, home, to, home_in_flight, request_id}``
 
-Reserve is one Lua call: it reads the candidates' counts, applies the spill
-rule (the same rule as :func:`prefix_router.spill.choose`) and increments the
-chosen instance in both hashes, atomically, so no two replicas can both see an
-instance below the threshold and both push it over.
+Reserves and releases are queued and sent by one background task as one Lua
+call (one command, one round trip, however many requests it carries): it
+applies the releases, then for each reserve reads the candidates' counts,
+applies the spill rule (the same rule as :func:`prefix_router.spill.choose`)
+and increments the chosen instance in both hashes. A script runs atomically,
+so no two replicas can both see an instance below the threshold and both push
+it over. (A redis-py pipeline of scripts would cost a second round trip per
+batch: it asks ``SCRIPT EXISTS`` before every execute.)
 
-Reserves and releases are queued and sent by one background task as one
-pipelined round trip, so a replica needs one connection and, under load, one
-round trip carries many requests. Counts heal themselves: a replica that dies stops beating, and any
+Counts heal themselves: a replica that dies stops beating, and any
 replica's janitor (or the control plane's) subtracts the dead replica's share
 from the fleet-wide counts within a few seconds. When a round trip fails
 outright, the replica rewrites its share from its own exact local counts at
@@ -44,55 +46,14 @@ log = logging.getLogger("prefix_router.loads")
 HEARTBEAT_S = 1.0
 HEARTBEAT_TTL_S = 3.0
 
+# One round trip: every release, then every reserve, queued since the last one.
 # KEYS: fleet hash, replica hash, decisions hash, spills list.
-# ARGV: policy, threshold, load_factor, fleet_size, request id, candidate ids...
-_RESERVE = """
-local policy = ARGV[1]
-local limit = tonumber(ARGV[2])
-local first = 6
-local n = #ARGV - first + 1
-local raw = redis.call('HMGET', KEYS[1], unpack(ARGV, first))
-local loads = {}
-for i = 1, n do loads[i] = math.max(0, tonumber(raw[i]) or 0) end
-local chosen = 1
-if policy ~= 'none' then
-  if policy == 'relative-load' then
-    local total = 0
-    for _, v in ipairs(redis.call('HVALS', KEYS[1])) do total = total + math.max(0, tonumber(v)) end
-    local size = math.max(1, tonumber(ARGV[4]))
-    limit = math.max(1, math.ceil(tonumber(ARGV[3]) * (total + 1) / size))
-  end
-  chosen = nil
-  for i = 1, n do
-    if loads[i] < limit then chosen = i; break end
-  end
-  if chosen == nil then
-    chosen = 1
-    for i = 2, n do
-      if loads[i] < loads[chosen] then chosen = i end
-    end
-  end
-end
-local id = ARGV[first + chosen - 1]
-redis.call('HINCRBY', KEYS[1], id, 1)
-redis.call('HINCRBY', KEYS[2], id, 1)
-if chosen == 1 then
-  redis.call('HINCRBY', KEYS[3], 'home', 1)
-else
-  redis.call('HINCRBY', KEYS[3], 'spilled', 1)
-  local now = redis.call('TIME')
-  redis.call('LPUSH', KEYS[4], cjson.encode({
-    time = tonumber(now[1]) + tonumber(now[2]) / 1e6, home = ARGV[first], to = id,
-    home_in_flight = loads[1], request_id = ARGV[5]}))
-  redis.call('LTRIM', KEYS[4], 0, 99)
-end
-loads[n + 1] = chosen - 1
-return loads
-"""
-
-# KEYS: fleet hash, replica hash. ARGV: ids to release (repeats allowed).
-_RELEASE = """
-for i = 1, #ARGV do
+# ARGV: release count, ids to release (repeats allowed), then per reserve:
+#       policy, threshold, load_factor, fleet_size, request id, candidate count, candidate ids.
+# Returns per reserve: the candidates' counts before it, then the chosen index (0-based).
+_APPLY = """
+local releases = tonumber(ARGV[1])
+for i = 2, releases + 1 do
   local id = ARGV[i]
   local left = redis.call('HINCRBY', KEYS[2], id, -1)
   if left <= 0 then redis.call('HDEL', KEYS[2], id) end
@@ -100,7 +61,66 @@ for i = 1, #ARGV do
     redis.call('HDEL', KEYS[1], id)
   end
 end
-return 1
+local total = nil  -- fleet-wide in flight, read once when relative-load needs it
+local home, spilled, now = 0, 0, nil
+local out = {}
+local pos = releases + 2
+while pos <= #ARGV do
+  local policy, limit = ARGV[pos], tonumber(ARGV[pos + 1])
+  local request_id, n = ARGV[pos + 4], tonumber(ARGV[pos + 5])
+  local first = pos + 6
+  local raw = redis.call('HMGET', KEYS[1], unpack(ARGV, first, first + n - 1))
+  local loads = {}
+  for i = 1, n do loads[i] = math.max(0, tonumber(raw[i]) or 0) end
+  local chosen = 1
+  if policy ~= 'none' then
+    if policy == 'relative-load' then
+      if total == nil then
+        total = 0
+        for _, v in ipairs(redis.call('HVALS', KEYS[1])) do
+          total = total + math.max(0, tonumber(v))
+        end
+      end
+      local size = math.max(1, tonumber(ARGV[pos + 3]))
+      limit = math.max(1, math.ceil(tonumber(ARGV[pos + 2]) * (total + 1) / size))
+    end
+    chosen = nil
+    for i = 1, n do
+      if loads[i] < limit then chosen = i; break end
+    end
+    if chosen == nil then
+      chosen = 1
+      for i = 2, n do
+        if loads[i] < loads[chosen] then chosen = i end
+      end
+    end
+  end
+  local id = ARGV[first + chosen - 1]
+  redis.call('HINCRBY', KEYS[1], id, 1)
+  redis.call('HINCRBY', KEYS[2], id, 1)
+  if total ~= nil then total = total + 1 end
+  if chosen == 1 then
+    home = home + 1
+  else
+    spilled = spilled + 1
+    if now == nil then
+      local t = redis.call('TIME')
+      now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+    end
+    redis.call('LPUSH', KEYS[4], cjson.encode({
+      time = now, home = ARGV[first], to = id, home_in_flight = loads[1],
+      request_id = request_id}))
+  end
+  loads[n + 1] = chosen - 1
+  out[#out + 1] = loads
+  pos = first + n
+end
+if home > 0 then redis.call('HINCRBY', KEYS[3], 'home', home) end
+if spilled > 0 then
+  redis.call('HINCRBY', KEYS[3], 'spilled', spilled)
+  redis.call('LTRIM', KEYS[4], 0, 99)
+end
+return out
 """
 
 # KEYS: fleet hash, replica hash. ARGV: id, count, id, count, ... (this replica's exact counts)
@@ -170,21 +190,20 @@ class RedisLoadStore:
         self.share_key = f"{namespace}inflight:{self.replica}"
         self.replicas_key = f"{namespace}replicas"
         self.alive_key = f"{namespace}alive:{self.replica}"
-        self.reserve_keys = [
+        self.apply_keys = [
             self.fleet_key,
             self.share_key,
             f"{namespace}decisions",
             f"{namespace}spills",
         ]
-        self._reserve = client.register_script(_RESERVE)
-        self._release = client.register_script(_RELEASE)
+        self._apply = client.register_script(_APPLY)
         self._rewrite = client.register_script(_REWRITE_SHARE)
         self._reap = client.register_script(_REAP)
         self._local: Counter[str] = Counter()
         """This replica's exact counts: what its share in Redis should be."""
         self._pending: list[str] = []
         self._reserves: list[
-            tuple[list[str | int | float], Sequence[str], asyncio.Future[Reservation]]
+            tuple[tuple[str | int | float, ...], Sequence[str], asyncio.Future[Reservation]]
         ] = []
         self._wake = asyncio.Event()
         self._closing = False
@@ -226,14 +245,15 @@ class RedisLoadStore:
         request_id: str = "",
     ) -> Reservation:
         future: asyncio.Future[Reservation] = asyncio.get_running_loop().create_future()
-        args = [
+        args = (
             rule.policy.value,
             rule.threshold,
             rule.load_factor,
             fleet_size,
             request_id,
+            len(candidates),
             *candidates,
-        ]
+        )
         if not self._tasks or self._tasks[0].done():
             raise LoadsUnavailable("the load store is not running")
         self._reserves.append((args, candidates, future))
@@ -251,11 +271,12 @@ class RedisLoadStore:
         return {_text(k): int(v) for k, v in raw.items() if int(v) > 0}
 
     async def _flush(self) -> None:
-        """Send every queued reserve and release in one pipelined round trip, repeatedly.
+        """Send every queued release and reserve as one script call, repeatedly.
 
-        One connection carries all of a replica's traffic; under load a round trip
-        carries many requests. A reserve whose caller gave up waiting (timeout) is
-        still counted by Redis, so it is released at once: counts stay exact.
+        One command, one round trip, whatever the batch: under load a round trip
+        carries many requests, and the Python cost per request is packing its
+        arguments. A reserve whose caller gave up waiting (timeout) is still
+        counted by Redis, so it is released at once: counts stay exact.
         """
         while not self._closing:
             await self._wake.wait()
@@ -264,15 +285,12 @@ class RedisLoadStore:
             releases, self._pending = self._pending, []
             if not reserves and not releases:
                 continue
-            keys = [self.fleet_key, self.share_key]
+            args: list[str | int | float] = [len(releases), *releases]
+            for reserve_args, _, _ in reserves:
+                args += reserve_args
             try:
                 async with asyncio.timeout(self.round_trip_timeout_s):
-                    async with self.redis.pipeline(transaction=False) as pipe:
-                        for args, _, _ in reserves:
-                            await self._reserve(keys=self.reserve_keys, args=args, client=pipe)
-                        if releases:
-                            await self._release(keys=keys, args=releases, client=pipe)
-                        results = await pipe.execute(raise_on_error=False)
+                    results = await self._apply(keys=self.apply_keys, args=args)
             except Exception as exc:  # noqa: BLE001 - the flusher must outlive any failure
                 # Unknown whether Redis applied them: rewrite the share from local counts later.
                 if not isinstance(exc, RedisError | OSError | TimeoutError):
@@ -282,11 +300,7 @@ class RedisLoadStore:
                     if not future.done():
                         future.set_exception(LoadsUnavailable(repr(exc)))
                 continue
-            for (_, candidates, future), result in zip(reserves, results, strict=False):
-                if isinstance(result, Exception):
-                    if not future.done():
-                        future.set_exception(LoadsUnavailable(repr(result)))
-                    continue
+            for (_, candidates, future), result in zip(reserves, results, strict=True):
                 index = int(result[-1])
                 chosen = candidates[index]
                 self._local[chosen] += 1
