@@ -1,5 +1,5 @@
 """Latency of one routing decision: the key alone, the full decision on in-process counts,
-and the full decision with fleet-wide counts in Redis (one pipelined round trip).
+and the full decision with fleet-wide counts in Redis (one Lua call, one round trip).
 
     python bench/decision_latency.py [--redis-url redis://127.0.0.1:6379/0] [--n 5000]
 
