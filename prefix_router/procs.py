@@ -14,18 +14,27 @@ import socket
 import subprocess
 import sys
 import time
+from collections import deque
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefix_router.errors import StartupError
 
+_handed_out: deque[int] = deque(maxlen=512)
+
 
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now."""
-    with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-        s.bind((host, 0))
-        return int(s.getsockname()[1])
+    """A TCP port nobody listens on right now, and not one this process handed out lately:
+    the kernel may offer a port again before the caller it went to has bound it."""
+    for _ in range(64):
+        with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+            s.bind((host, 0))
+            port = int(s.getsockname()[1])
+        if port not in _handed_out:
+            _handed_out.append(port)
+            return port
+    raise StartupError("no free TCP port that was not just handed out")
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
