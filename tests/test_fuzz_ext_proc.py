@@ -75,9 +75,9 @@ def test_extract_key_never_raises_and_is_fast(
     body: bytes, path: str, tenant: str, complete: bool
 ) -> None:
     for key_settings in SETTINGS:
-        started = time.perf_counter()
+        started = time.process_time()  # CPU time: a busy machine does not inflate it
         key = extract_key(body, settings=key_settings, path=path, tenant=tenant, complete=complete)
-        assert time.perf_counter() - started < 0.25  # generous: CI machines are busy
+        assert time.process_time() - started < 0.25
         assert len(key.value) == 32
 
 
@@ -85,9 +85,9 @@ def test_a_huge_body_is_keyed_quickly() -> None:
     body = json.dumps(
         {"model": "m", "messages": [{"role": "user", "content": "x" * (16 * 1024 * 1024)}]}
     ).encode()
-    started = time.perf_counter()
+    started = time.process_time()
     extract_key(body, settings=SETTINGS[0], path="/v1/chat/completions")
-    assert time.perf_counter() - started < 0.5
+    assert time.process_time() - started < 0.5
 
 
 def header(key: str, value: str) -> base_pb2.HeaderValue:
