@@ -6,9 +6,9 @@ fleet or the config changes) and a :class:`~prefix_router.loads.LoadStore`.
 
 The store bounds its own waits on Redis (``redis_timeout_ms`` per round trip)
 and reports a failed or slow Redis as :class:`LoadsUnavailable`: the request is
-then routed without fleet-wide counts (``RING_ONLY``): by the ring, spilling
-only on this replica's own counts, so a hot prefix is still spread, if less
-evenly. The failure is logged once, and the store is left alone for a short
+then routed without fleet-wide counts (``RING_ONLY``): placed and spilled on
+this replica's own counts and placements, so a hot prefix is still spread, if
+less evenly. The failure is logged once, and the store is left alone for a short
 back-off so a dead Redis costs each request nothing; the first success after
 that logs the recovery. Time a
 request spends queued in this process under a burst is not Redis being slow,
@@ -24,6 +24,7 @@ import time
 from dataclasses import dataclass
 
 from prefix_router.loads import InMemoryLoadStore, LoadStore, LoadsUnavailable, Reservation
+from prefix_router.placement import Placement
 from prefix_router.prefix_key import Fallback, PrefixKey, extract_key
 from prefix_router.routing import Decision, Outcome, RoutingTable
 
@@ -97,28 +98,31 @@ class RequestRouter:
         )
         if key.fallback is not None:
             self.callbacks.on_fallback(key.fallback)
-        candidates = table.candidates_for(key.value)
+        candidates, placement = table.lookup(key.value)
         if not candidates:
             decision = Decision(Outcome.NO_INSTANCES, None, None, None)
             self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
             return RouteResult(decision, key, None)
         names = [table.ids[c] for c in candidates]
-        reservation, store, degraded = await self._reserve(names, table, request_id)
+        reservation, store, degraded = await self._reserve(names, placement, table, request_id)
         chosen = reservation.index
         reserved = names[chosen]
         self.callbacks.on_reserved(reserved)
         if degraded:
             outcome = Outcome.RING_ONLY
         else:
-            outcome = Outcome.HOME if chosen == 0 else Outcome.SPILLED
+            outcome = Outcome.HOME if chosen == reservation.start else Outcome.SPILLED
         decision = Decision(
-            outcome, reserved, table.header_for(key.value, candidates, chosen), names[0]
+            outcome,
+            reserved,
+            table.header_for(key.value, candidates, chosen),
+            names[reservation.start],
         )
         self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
         return RouteResult(decision, key, reserved, store)
 
     async def _reserve(
-        self, names: list[str], table: RoutingTable, request_id: str
+        self, names: list[str], placement: Placement | None, table: RoutingTable, request_id: str
     ) -> tuple[Reservation, LoadStore, bool]:
         """A reservation on fleet-wide counts, or on this replica's own when those are
         unavailable (then ``degraded`` is True)."""
@@ -129,7 +133,7 @@ class RequestRouter:
                 backstop = STORE_WAIT_FACTOR * table.config.redis_timeout_ms / 1000
                 async with asyncio.timeout(backstop):
                     reservation = await self.store.reserve(
-                        names, table.spill, fleet_size, request_id
+                        names, table.spill, fleet_size, request_id, placement
                     )
                 if self._store_down:
                     self._store_down = False
@@ -144,7 +148,9 @@ class RequestRouter:
                         "replica's own counts",
                         exc,
                     )
-        reservation = await self.local.reserve(names, table.spill, fleet_size, request_id)
+        reservation = await self.local.reserve(
+            names, table.spill, fleet_size, request_id, placement
+        )
         return reservation, self.local, True
 
     def finish(self, result: RouteResult) -> None:

@@ -1,9 +1,10 @@
 """The one configuration model of prefix-router.
 
 Every setting that changes how requests are routed lives in :class:`RouterConfig`:
-the prefix key (PrefixLength, mode, tenant header), the overload spill
-(ConcurrencyThreshold and policy), the ring sizing and the Envoy cluster's
-health checking, outlier detection, circuit breakers and retries. The same
+the prefix key (PrefixLength, mode, tenant header), the placement of new
+prefixes, the overload spill (ConcurrencyThreshold and policy), the ring sizing
+and the Envoy cluster's health checking, outlier detection, circuit breakers and
+retries. The same
 model validates the YAML file at start-up, the admin API's PUT/PATCH bodies and
 what ext_proc reads back from Redis, so an invalid value is rejected in one
 place with one message.
@@ -41,6 +42,15 @@ class SpillPolicyName(StrEnum):
     RELATIVE_LOAD = "relative-load"
 
 
+class PlacementPolicyName(StrEnum):
+    """Where a prefix seen for the first time starts: the instance that becomes its home."""
+
+    HOME = "home"
+    """The ring's pick, whatever the load: pure consistent hashing."""
+    LEAST_LOADED = "least-loaded"
+    """The least loaded of the prefix's first ``width`` ring candidates."""
+
+
 class _Frozen(BaseModel):
     model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
 
@@ -54,6 +64,28 @@ class SpillConfig(_Frozen):
         gt=1.0,
         le=100.0,
         description="relative-load: no instance above load_factor x the fleet mean in-flight.",
+    )
+
+
+class PlacementConfig(_Frozen):
+    """Where a new prefix goes, and how long its placement is remembered.
+
+    A prefix nobody has sent within ``memory_s`` is cached nowhere, so there is no
+    affinity to lose: ``least-loaded`` starts it on the least loaded of its first
+    ``width`` ring candidates, and its later requests follow it there. A prefix in
+    use keeps its home; spill still applies on top.
+    """
+
+    policy: PlacementPolicyName = PlacementPolicyName.LEAST_LOADED
+    width: int = Field(
+        4, ge=1, le=8, description="least-loaded: ring candidates a new prefix may start on."
+    )
+    memory_s: float = Field(
+        600.0,
+        ge=1.0,
+        le=86_400.0,
+        description="A placement unused for this long is forgotten (about a KV cache's "
+        "retention of an idle prefix).",
     )
 
 
@@ -124,6 +156,7 @@ class RouterConfig(_Frozen):
         16, ge=1, le=1_000_000, description="ConcurrencyThreshold: in-flight requests per instance."
     )
     spill: SpillConfig = SpillConfig()
+    placement: PlacementConfig = PlacementConfig()
     ring: RingConfig = RingConfig()
     health_check: HealthCheckConfig = HealthCheckConfig()
     outlier_detection: OutlierDetectionConfig = OutlierDetectionConfig()

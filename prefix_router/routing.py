@@ -2,14 +2,15 @@
 
 A :class:`RoutingTable` is everything ext_proc needs to route, derived once per
 (fleet version, config version) and never mutated: the ring mirror over the
-routable instances, one steering token per instance, the key settings and the
-spill rule. ext_proc swaps the whole table when either changes, so a request
+routable instances, one steering token per instance, the key settings, the
+placement rule and the spill rule. ext_proc swaps the whole table when either changes, so a request
 always sees one consistent version.
 
-:func:`candidates_for` lists the key's home and its ring successors;
-:func:`decision_for` turns the chosen candidate into the ``x-prefix-key``
-value Envoy hashes: the key itself when the request goes home (so Envoy alone
-would pick the same instance) or the chosen instance's steering token.
+:func:`lookup` lists the key's ring pick and its ring successors, with the
+key's placement slot; :func:`header_for` turns the chosen candidate into the
+``x-prefix-key`` value Envoy hashes: the key itself for the ring's own pick (so
+Envoy alone would pick the same instance) or the chosen instance's steering
+token.
 """
 
 from __future__ import annotations
@@ -20,6 +21,7 @@ from itertools import islice
 
 from prefix_router.config import RouterConfig
 from prefix_router.fleet import Fleet
+from prefix_router.placement import Placement, PlacementRule, identity_tag, slot_of
 from prefix_router.prefix_key import KeySettings
 from prefix_router.ring import Ring, hash_key, ring_size_for
 from prefix_router.spill import SpillRule
@@ -46,8 +48,11 @@ class RoutingTable:
     ring: Ring
     ids: tuple[str, ...]
     tokens: tuple[str, ...]
+    tags: tuple[int, ...]
+    """Each host's placement identity tag (:func:`~prefix_router.placement.identity_tag`)."""
     key_settings: KeySettings
     spill: SpillRule
+    placement: PlacementRule
 
     @classmethod
     def build(cls, fleet: Fleet, config: RouterConfig, *, config_version: int = 0) -> RoutingTable:
@@ -62,14 +67,26 @@ class RoutingTable:
             ring=ring,
             ids=tuple(h.id for h in hosts),
             tokens=ring.steering_tokens(),
+            tags=tuple(identity_tag(h.ring_key) for h in hosts),
             key_settings=KeySettings(prefix_length=config.prefix_length, mode=config.prefix_mode),
             spill=SpillRule.from_config(config),
+            placement=PlacementRule.from_config(config),
         )
 
-    def candidates_for(self, key: str) -> list[int]:
-        """Host indexes: the key's home first, then its ring successors."""
+    def lookup(self, key: str) -> tuple[list[int], Placement | None]:
+        """Host indexes (the ring's pick for the key, then its ring successors) and what
+        placement needs to find the prefix's home among them (None: the ring's pick)."""
+        ring_hash = hash_key(key)
         limit = min(len(self.ids), MAX_CANDIDATES)
-        return list(islice(self.ring.successors(hash_key(key)), limit))
+        candidates = list(islice(self.ring.successors(ring_hash), limit))
+        if not self.placement.remembers:
+            return candidates, None
+        tags = [self.tags[c] for c in candidates]
+        return candidates, Placement(self.placement, slot_of(ring_hash), tags)
+
+    def candidates_for(self, key: str) -> list[int]:
+        """Host indexes: the ring's pick for the key, then its ring successors."""
+        return self.lookup(key)[0]
 
     def header_for(self, key: str, candidates: list[int], chosen: int) -> str:
         """The ``x-prefix-key`` value that makes Envoy pick ``candidates[chosen]``."""
@@ -82,3 +99,4 @@ class Decision:
     instance_id: str | None
     header_value: str | None
     home_id: str | None
+    """The prefix's home: the ring's pick, or where placement started the prefix."""

@@ -1,8 +1,10 @@
 """Overload spill: the pure decision of which ring candidate takes a request.
 
-Candidates come in ring order from the key's position: index 0 is the home
-(Envoy's own pick for the key), then the stable second, third, ... homes. Each
-policy is one small function over their fleet-wide in-flight counts:
+Candidates come in ring order from the key's position: index 0 is Envoy's own
+pick for the key, then the stable second, third, ... candidates. The prefix's
+home is candidate ``start`` (0 unless :mod:`prefix_router.placement` started
+the prefix elsewhere); the walk goes home first, then the others in ring order.
+Each policy is one small rule over the candidates' fleet-wide in-flight counts:
 
 ``none``
     Always home; counts are still kept, for metrics.
@@ -51,16 +53,32 @@ class SpillRule:
         return self.threshold
 
 
+def walk(size: int, start: int = 0) -> Sequence[int]:
+    """Candidate indexes in the order spill tries them: ``start`` (the home), then ring order."""
+    if start == 0:
+        return range(size)
+    return [start, *range(start), *range(start + 1, size)]
+
+
 def choose(
-    loads: Sequence[int], rule: SpillRule, *, fleet_total: int = 0, fleet_size: int = 1
+    loads: Sequence[int],
+    rule: SpillRule,
+    *,
+    fleet_total: int = 0,
+    fleet_size: int = 1,
+    start: int = 0,
 ) -> int:
-    """Index into ``loads`` (ring order, 0 = home) of the candidate that takes the request."""
+    """Index into ``loads`` (ring order) of the candidate that takes the request;
+    ``start`` is the prefix's home."""
     if not loads:
         raise ValueError("choose() needs at least one candidate")
+    if not 0 <= start < len(loads):
+        raise ValueError(f"start {start} is not a candidate index (0..{len(loads) - 1})")
     if rule.policy is SpillPolicyName.NONE:
-        return 0
+        return start
     limit = rule.limit(fleet_total, fleet_size)
-    for index, load in enumerate(loads):
-        if load < limit:
+    order = walk(len(loads), start)
+    for index in order:
+        if loads[index] < limit:
             return index
-    return min(range(len(loads)), key=loads.__getitem__)
+    return min(order, key=loads.__getitem__)

@@ -7,7 +7,13 @@ from collections import defaultdict
 
 import pytest
 
-from prefix_router.bench.des import DesSettings, Resize, parse_resizes, simulate
+from prefix_router.bench.des import (
+    DesSettings,
+    Resize,
+    default_instance_url,
+    parse_resizes,
+    simulate,
+)
 from prefix_router.bench.policies import Policy
 from prefix_router.bench.spec import PATHS, Arrival, Turn, Workload, request_body
 from prefix_router.bench.text import filler
@@ -68,21 +74,58 @@ async def test_one_instance_agrees_with_the_simulators_engine_exactly() -> None:
     assert hits >= 2 * 16 * (300 // 4 // 16)  # later system-prompt requests hit the first
 
 
+RING_ONLY = RouterConfig.model_validate({"placement": {"policy": "home"}})
+"""New prefixes start on the ring's pick: pure consistent hashing."""
+
+
+def candidates_of(workload: Workload, ids: tuple[str, ...]) -> list[list[str]]:
+    """Each arrival's ring candidates (the ring's pick first), as ext_proc's table lists them."""
+    table = RoutingTable.build(Fleet.of([Instance.from_url(i) for i in ids]), RouterConfig())
+    out = []
+    for arrival in workload:
+        turn = arrival.turns[0]
+        key = extract_key(request_body(turn, model=ENGINE.model), settings=table.key_settings,
+                          path=PATHS[turn.endpoint])
+        out.append([table.ids[c] for c in table.candidates_for(key.value)])
+    return out
+
+
 def test_prefix_routing_is_envoys_ring_pick() -> None:
     workload = generate("system-prompt", {"requests": 120, "rate": 50.0, "prompts": 10,
                                           "prompt_tokens": 64, "output_min": 2,
                                           "output_max": 4})
     ids = tuple(f"127.0.0.1:{9000 + i}" for i in range(4))
     result = simulate(workload, DesSettings(policy=Policy.PREFIX, engine=ENGINE,
-                                            router=RouterConfig(), instance_ids=ids))
-    table = RoutingTable.build(Fleet.of([Instance.from_url(i) for i in ids]), RouterConfig())
-    for arrival, record in zip(workload, result.records, strict=True):
-        turn = arrival.turns[0]
-        key = extract_key(request_body(turn, model=ENGINE.model), settings=table.key_settings,
-                          path=PATHS[turn.endpoint])
-        picked = table.ring.pick(key.value)
-        assert picked is not None and record.instance == picked.id
+                                            router=RING_ONLY, instance_ids=ids))
+    candidates = candidates_of(workload, ids)
+    for ring, record in zip(candidates, result.records, strict=True):
+        assert record.instance == ring[0]
     assert result.hit_rate <= result.bounds.infinite + 1e-9  # type: ignore[union-attr]
+
+
+def test_a_new_prefix_starts_on_a_less_loaded_candidate_and_stays_there() -> None:
+    # system prompts longer than PrefixLength (1024 bytes): one key per prompt
+    workload = generate("system-prompt", {"requests": 400, "rate": 200.0, "prompts": 40,
+                                          "prompt_tokens": 300, "output_min": 20,
+                                          "output_max": 40})
+    ids = tuple(f"127.0.0.1:{9000 + i}" for i in range(4))
+    result = simulate(workload, DesSettings(policy=Policy.PREFIX, engine=ENGINE,
+                                            router=RouterConfig(), instance_ids=ids))
+    rings = {a.group: ring for a, ring in zip(workload, candidates_of(workload, ids),
+                                              strict=True)}
+    homes: dict[str, set[str | None]] = defaultdict(set)
+    for arrival, record in zip(workload, result.records, strict=True):
+        homes[arrival.group].add(record.instance)
+    assert all(len(h) == 1 for h in homes.values())  # every prefix keeps one home
+    off_ring = [g for g, h in homes.items() if h != {rings[g][0]}]
+    assert off_ring  # placed by load, not by the ring alone
+    width = RouterConfig().placement.width
+    assert all(homes[g] <= set(rings[g][:width]) for g in homes)
+    ring = simulate(workload, DesSettings(policy=Policy.PREFIX, engine=ENGINE,
+                                          router=RING_ONLY, instance_ids=ids))
+    spread = [i.requests for i in result.instances]
+    ring_spread = [i.requests for i in ring.instances]
+    assert max(spread) - min(spread) < max(ring_spread) - min(ring_spread)
 
 
 def test_round_robin_and_least_request_spread_evenly() -> None:
@@ -115,13 +158,15 @@ def test_spill_walks_the_ring_when_home_is_at_the_threshold() -> None:
     assert spill.peak_in_flight == 1 < nospill.peak_in_flight
 
 
-def test_a_resize_moves_only_the_new_instances_keys() -> None:
+@pytest.mark.parametrize("placement", ["home", "least-loaded"])
+def test_a_resize_moves_just_the_keys_the_ring_gives_the_new_instance(placement: str) -> None:
     # system prompts longer than PrefixLength (1024 bytes): one key per prompt
     workload = generate("system-prompt", {"requests": 1200, "rate": 40.0, "prompts": 120,
                                           "prompt_tokens": 300, "output_min": 1,
                                           "output_max": 2})
+    router = RouterConfig.model_validate({"placement": {"policy": placement}})
     result = simulate(workload, DesSettings(policy=Policy.PREFIX, engine=ENGINE,
-                                            router=RouterConfig(), instances=4,
+                                            router=router, instances=4,
                                             resizes=(Resize(15.0, +1),)))
     before: dict[str, set[str | None]] = defaultdict(set)
     after: dict[str, set[str | None]] = defaultdict(set)
@@ -129,9 +174,16 @@ def test_a_resize_moves_only_the_new_instances_keys() -> None:
         (before if record.arrival_s < 15.0 else after)[arrival.group].add(record.instance)
     new = next(i.id for i in result.instances if i.id not in
                {r.instance for r in result.records if r.arrival_s < 15.0})
-    moved = [g for g in before if g in after and after[g] != before[g]]
+    urls = tuple(default_instance_url(i) for i in range(5))  # the 4, then the new one
+    assert Instance.from_url(urls[4]).id == new
+    pick_before = {a.group: r[0] for a, r in zip(workload, candidates_of(workload, urls[:4]),
+                                                  strict=True)}
+    pick_after = {a.group: r[0] for a, r in zip(workload, candidates_of(workload, urls),
+                                                 strict=True)}
+    given_to_new = {g for g in before if pick_after[g] == new != pick_before[g]}
+    moved = {g for g in before if g in after and after[g] != before[g]}
     assert all(len(s) == 1 for s in (*before.values(), *after.values()))
-    assert all(after[g] == {new} for g in moved)
+    assert moved == given_to_new and all(after[g] == {new} for g in moved)
     assert 0.05 < len(moved) / len(before) < 0.4  # about 1/5 of the keys
     assert result.events and result.events[0][1] == "+1 -> 5 instances"
 
@@ -144,17 +196,22 @@ def test_resize_parsing() -> None:
 
 def test_policies_map_to_the_spill_rules_and_all_means_the_four_compared_by_default() -> None:
     from prefix_router.bench.policies import ALL_POLICIES, parse_policies
-    from prefix_router.config import SpillPolicyName
+    from prefix_router.config import PlacementPolicyName, SpillPolicyName
 
     assert parse_policies("all") == ALL_POLICIES and Policy.PREFIX_RELATIVE not in ALL_POLICIES
     assert parse_policies("prefix-relative") == (Policy.PREFIX_RELATIVE,)
     assert parse_policies("all,prefix-relative") == (*ALL_POLICIES, Policy.PREFIX_RELATIVE)
     base = RouterConfig()
-    spill = {p: p.router_config(base).spill.policy for p in Policy if p.uses_router}
-    assert spill == {
-        Policy.PREFIX: SpillPolicyName.NONE,
-        Policy.PREFIX_SPILL: SpillPolicyName.BOUNDED_LOAD,
-        Policy.PREFIX_RELATIVE: SpillPolicyName.RELATIVE_LOAD,
+    rules = {
+        p: (p.router_config(base).spill.policy, p.router_config(base).placement.policy)
+        for p in Policy
+        if p.uses_router
+    }
+    assert rules == {
+        Policy.PREFIX: (SpillPolicyName.NONE, PlacementPolicyName.LEAST_LOADED),
+        Policy.PREFIX_SPILL: (SpillPolicyName.BOUNDED_LOAD, PlacementPolicyName.LEAST_LOADED),
+        Policy.PREFIX_RELATIVE: (SpillPolicyName.RELATIVE_LOAD, PlacementPolicyName.LEAST_LOADED),
+        Policy.PREFIX_SPILL_RING: (SpillPolicyName.BOUNDED_LOAD, PlacementPolicyName.HOME),
     }
     with pytest.raises(ValueError, match="unknown policy"):
         parse_policies("prefix,fastest")

@@ -4,14 +4,16 @@ from __future__ import annotations
 
 import asyncio
 import json
+import random
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
 
-from prefix_router.config import SpillPolicyName
+from prefix_router.config import PlacementPolicyName, SpillPolicyName
 from prefix_router.loads import InMemoryLoadStore, LoadStore
 from prefix_router.loads.redis_store import RedisLoadStore
+from prefix_router.placement import Placement, PlacementRule
 from prefix_router.spill import SpillRule, choose
 from tests.conftest import REDIS_URL
 
@@ -92,6 +94,76 @@ async def test_concurrent_reserves_follow_the_pure_rule_in_order(make_store: Sto
             store.release(IDS[got.index])
         await settle(store)
         assert await store.in_flight() == {}
+
+
+LEAST = PlacementRule(PlacementPolicyName.LEAST_LOADED, width=3, memory_s=600.0)
+TAGS = [101, 202, 303]
+
+
+async def test_a_new_prefix_starts_on_the_least_loaded_candidate_and_stays(
+    make_store: StoreFactory,
+) -> None:
+    store = await make_store()
+    for busy in ("a", "a", "c"):
+        await store.reserve([busy], NONE, 3)
+    placed = Placement(LEAST, slot=9, tags=TAGS)
+    first = await store.reserve(IDS, BOUNDED, 3, "", placed)
+    assert (first.start, first.index, list(first.loads)) == (1, 1, [2, 0, 1])  # b: idle
+    await store.reserve(["b"], NONE, 3)
+    # remembered (b) though b is now as busy as a; spill (threshold 2) walks from b: a, c
+    again = await store.reserve(IDS, BOUNDED, 3, "", placed)
+    assert (again.start, again.index, list(again.loads)) == (1, 2, [2, 2, 1])
+    ring_only = await store.reserve(IDS, NONE, 3, "", Placement(PlacementRule(), 9, TAGS))
+    assert (ring_only.start, ring_only.index) == (0, 0)
+
+
+async def test_a_remembered_home_holds_until_the_ring_gives_the_key_away(
+    make_store: StoreFactory,
+) -> None:
+    store = await make_store()
+    await store.reserve(["a", "b", "c"], NONE, 3)  # a busy
+    placed = Placement(LEAST, slot=5, tags=TAGS)
+    assert (await store.reserve(IDS, NONE, 3, "", placed)).start == 1  # b
+    inserted = Placement(LEAST, slot=5, tags=[101, 404, 202, 303])  # d joined, after a
+    assert (await store.reserve(["a", "d", "b", "c"], NONE, 4, "", inserted)).start == 2  # b
+    pick_left = Placement(LEAST, slot=5, tags=[303, 202])  # a, its ring pick, left
+    assert (await store.reserve(["c", "b"], NONE, 2, "", pick_left)).start == 1  # b holds
+    assert (await store.reserve(IDS, NONE, 3, "", placed)).start == 0  # a came back: its key
+    shifted = Placement(LEAST, slot=5, tags=[303, 101, 202])  # c took a's ring position
+    await store.reserve(["c"], NONE, 3)
+    await store.reserve(["c"], NONE, 3)  # c the busiest: the ring's pick all the same
+    assert (await store.reserve(["c", "a", "b"], NONE, 3, "", shifted)).start == 0
+    assert (await store.reserve(["c", "a", "b"], NONE, 3, "", shifted)).start == 0
+    new_home = Placement(LEAST, slot=5, tags=[404, *TAGS])  # d took the key's ring position
+    assert (await store.reserve(["d", *IDS], NONE, 4, "", new_home)).start == 0
+
+
+async def test_stores_agree_on_a_random_sequence(namespace: str) -> None:
+    """The Lua and the pure rules: the same decisions for the same requests."""
+    rng = random.Random(7)
+    memory = InMemoryLoadStore()
+    shared = await RedisLoadStore.connect(REDIS_URL, namespace=namespace, timeout_s=1.0)
+    ids = ["a", "b", "c", "d", "e"]
+    tags = {i: 1000 + n for n, i in enumerate(ids)}
+    try:
+        held: list[str] = []
+        for step in range(300):
+            if held and rng.random() < 0.45:
+                gone = held.pop(rng.randrange(len(held)))
+                memory.release(gone)
+                shared.release(gone)
+                continue
+            candidates = rng.sample(ids, rng.randint(1, len(ids)))
+            rule = rng.choice([BOUNDED, RELATIVE, NONE])
+            placement = rng.choice(
+                [None, Placement(LEAST, rng.randrange(6), [tags[c] for c in candidates])]
+            )
+            want = await memory.reserve(candidates, rule, len(ids), "", placement)
+            got = await shared.reserve(candidates, rule, len(ids), "", placement)
+            assert got == want, f"step {step}"
+            held.append(candidates[got.index])
+    finally:
+        await shared.close()
 
 
 async def test_releases_bring_every_count_back_to_zero(make_store: StoreFactory) -> None:

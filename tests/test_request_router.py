@@ -9,6 +9,7 @@ from ext_proc.router import RequestRouter
 from prefix_router.config import RouterConfig
 from prefix_router.fleet import Fleet, Instance
 from prefix_router.loads import InMemoryLoadStore, LoadsUnavailable, Reservation
+from prefix_router.placement import Placement
 from prefix_router.routing import Outcome, RoutingTable
 from prefix_router.spill import SpillRule
 
@@ -22,7 +23,12 @@ class DownStore(InMemoryLoadStore):
     """A shared store whose server is down."""
 
     async def reserve(
-        self, candidates: Sequence[str], rule: SpillRule, fleet_size: int, request_id: str = ""
+        self,
+        candidates: Sequence[str],
+        rule: SpillRule,
+        fleet_size: int,
+        request_id: str = "",
+        placement: Placement | None = None,
     ) -> Reservation:
         raise LoadsUnavailable("connection refused")
 

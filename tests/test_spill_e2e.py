@@ -14,6 +14,8 @@ import pytest
 import redis.asyncio as aioredis
 
 from prefix_router.config import RouterConfig
+from prefix_router.prefix_key import extract_key
+from prefix_router.routing import RoutingTable
 from tests.conftest import REDIS_URL, ProcessReaper
 from tests.support.static_stack import StaticStack, start_static_stack
 
@@ -73,16 +75,20 @@ class PeakSampler:
         await self._client.aclose()
 
 
-async def burst(stack: StaticStack, n: int, prompt: str = HOT_PROMPT) -> Counter[str]:
-    """``n`` concurrent requests with one prefix; which instance served each."""
-    body = json.dumps(
+def chat_body(prompt: str) -> bytes:
+    return json.dumps(
         {
             "model": MODEL,
             "messages": [{"role": "system", "content": prompt}, {"role": "user", "content": "hi"}],
             "max_tokens": 60,
             "ignore_eos": True,
         }
-    )
+    ).encode()
+
+
+async def burst(stack: StaticStack, n: int, prompt: str = HOT_PROMPT) -> Counter[str]:
+    """``n`` concurrent requests with one prefix; which instance served each."""
+    body = chat_body(prompt)
     limits = httpx.Limits(max_connections=n + 10, max_keepalive_connections=n + 10)
     async with httpx.AsyncClient(timeout=60, limits=limits) as client:
         answers = await asyncio.gather(
@@ -156,4 +162,39 @@ async def test_with_spill_disabled_everything_stays_home(
     stack = spill_stack(procs, log_dir, namespace, policy="none")
     served = await burst(stack, 100)
     assert len(served) == 1 and sum(served.values()) == 100
+    assert await fleet_in_flight(namespace) == {}
+
+
+async def test_a_new_prefix_starts_beside_its_busy_ring_pick_and_stays_there(
+    procs: ProcessReaper, log_dir: Path, namespace: str
+) -> None:
+    stack = spill_stack(procs, log_dir, namespace)
+    table = RoutingTable.build(stack.fleet, stack.config)
+
+    def ring_of(prompt: str) -> list[str]:
+        """The prompt's ring candidates as instance ports (the simulator's names)."""
+        key = extract_key(chat_body(prompt), settings=table.key_settings).value
+        return [table.ids[c].rsplit(":", 1)[1] for c in table.candidates_for(key)]
+
+    busy = ring_of(HOT_PROMPT)[0]
+    prompts = (f"A cold prompt, number {i}. " * 30 for i in range(5000))
+    cold = next(p for p in prompts if ring_of(p)[0] == busy)
+    url = f"{stack.url}/v1/chat/completions"
+    async with httpx.AsyncClient(timeout=60) as client:
+        hot = asyncio.gather(*(client.post(url, content=chat_body(HOT_PROMPT)) for _ in range(8)))
+        redis = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            for _ in range(200):  # until the 8 are in flight on the hot prefix's home
+                if int(await redis.hget(f"{namespace}inflight", f"127.0.0.1:{busy}") or 0) >= 8:
+                    break
+                await asyncio.sleep(0.01)
+        finally:
+            await redis.aclose()
+        first = await client.post(url, content=chat_body(cold))
+        assert {a.headers["x-sim-instance"] for a in await hot} == {busy}  # below the threshold
+    placed = first.headers["x-sim-instance"]
+    width = stack.config.placement.width
+    assert placed != busy and placed in ring_of(cold)[:width], (placed, ring_of(cold))
+    later = await burst(stack, 4, prompt=cold)  # the ring pick is idle again: no matter
+    assert set(later) == {placed}
     assert await fleet_in_flight(namespace) == {}

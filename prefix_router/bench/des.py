@@ -6,7 +6,8 @@ Nothing here re-implements routing or the instance model. Each request's body is
 * routed as the live stack routes it: ``round-robin`` / ``least-request`` as Envoy's
   load balancers do (least-request: the fewer in-flight of two random hosts); ``prefix``
   and ``prefix-spill`` through ext_proc's code: :func:`prefix_router.prefix_key.extract_key`,
-  :meth:`prefix_router.routing.RoutingTable.candidates_for` (the Envoy ring mirror) and
+  :meth:`prefix_router.routing.RoutingTable.lookup` (the Envoy ring mirror), a
+  :class:`prefix_router.placement.PlacementMemory` on the virtual clock, and
   :func:`prefix_router.spill.choose` over the in-flight counts that Redis would hold
   (a request counts from its routing decision to its last token);
 * parsed and turned into an engine sequence by the simulator's own code
@@ -43,6 +44,7 @@ from prefix_router.bench.results import InstanceStats, RequestRecord, RunResult
 from prefix_router.bench.spec import PATHS, Arrival, Message, Workload, request_body
 from prefix_router.config import RouterConfig
 from prefix_router.fleet import Fleet, Instance
+from prefix_router.placement import PlacementMemory
 from prefix_router.prefix_key import extract_key
 from prefix_router.routing import RoutingTable
 from prefix_router.spill import choose
@@ -88,6 +90,11 @@ class DesSettings:
     resizes: tuple[Resize, ...] = ()
     window_s: float = 30.0
     seed: int = 1
+
+
+def default_instance_url(i: int) -> str:
+    """Instance ``i`` of a fleet the simulation names itself, with ring identity ``vllm-i``."""
+    return f"10.{i // 62500}.{i // 250 % 250}.{i % 250 + 1}:8000:1:vllm-{i}"
 
 
 class _Engine:
@@ -147,8 +154,7 @@ class Simulation:
         self._table: RoutingTable | None = None
         self._rr = 0
         self._fleet_version = 0
-        self._ids = (f"10.{i // 62500}.{i // 250 % 250}.{i % 250 + 1}:8000:1:vllm-{i}"
-                     for i in itertools.count())
+        self._ids = (default_instance_url(i) for i in itertools.count())
         self._pending: dict[str, _Pending] = {}
         self._records: list[RequestRecord] = []
         self._bounds = BoundsTracker(
@@ -158,6 +164,7 @@ class Simulation:
         self._serial = itertools.count()
         self._events_log: list[tuple[float, str]] = []
         self.now = 0.0
+        self._placements = PlacementMemory(clock=lambda: self.now)
 
     # -- fleet --------------------------------------------------------------------------
 
@@ -196,11 +203,14 @@ class Simulation:
         table = self._table
         assert table is not None
         key = extract_key(body, settings=table.key_settings, path=path)
-        candidates = table.candidates_for(key.value)
+        candidates, placement = table.lookup(key.value)
         engines = self._engines
         loads = [engines[table.ids[c]].in_flight for c in candidates]
         total = sum(e.in_flight for e in active)
-        chosen = choose(loads, table.spill, fleet_total=total, fleet_size=len(table.ids))
+        start = self._placements.start(placement, loads)
+        chosen = choose(
+            loads, table.spill, fleet_total=total, fleet_size=len(table.ids), start=start
+        )
         return engines[table.ids[candidates[chosen]]]
 
     # -- events -------------------------------------------------------------------------

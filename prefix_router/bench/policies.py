@@ -1,17 +1,22 @@
 """The routing policies a benchmark compares, and what each one means for the stack.
 
-=================  ===================  ========  =================================
-policy             Envoy ``lb_policy``  ext_proc  spill (``RouterConfig.spill``)
-=================  ===================  ========  =================================
-``round-robin``    ROUND_ROBIN          off       -
-``least-request``  LEAST_REQUEST        off       -
-``prefix``         RING_HASH            on        ``none``: always the key's home
-``prefix-spill``   RING_HASH            on        ``bounded-load`` at ConcurrencyThreshold
-``prefix-relative``  RING_HASH          on        ``relative-load`` (load_factor x mean)
-=================  ===================  ========  =================================
+=====================  ===================  ========  ==========================================
+policy                 Envoy ``lb_policy``  ext_proc  spill (``RouterConfig.spill``)
+=====================  ===================  ========  ==========================================
+``round-robin``        ROUND_ROBIN          off       -
+``least-request``      LEAST_REQUEST        off       -
+``prefix``             RING_HASH            on        ``none``: always the prefix's home
+``prefix-spill``       RING_HASH            on        ``bounded-load`` at ConcurrencyThreshold
+``prefix-relative``    RING_HASH            on        ``relative-load`` (load_factor x mean)
+``prefix-spill-ring``  RING_HASH            on        ``bounded-load``; new prefixes start on
+                                                      the ring's pick (``placement: home``)
+=====================  ===================  ========  ==========================================
 
-``all`` means the first four; ``prefix-relative`` (spill above load_factor x the fleet's
-mean in flight, a bound that follows the load) is asked for by name.
+Every ``prefix*`` policy but ``prefix-spill-ring`` places new prefixes as the base config
+says (by default ``least-loaded``). ``all`` means the first four; ``prefix-relative``
+(spill above load_factor x the fleet's mean in flight, a bound that follows the load) and
+``prefix-spill-ring`` (pure consistent hashing with spill, to show what placement adds) are
+asked for by name.
 
 The live driver runs each through the same Envoy, bootstrap and simulated instances
 (:mod:`prefix_router.bench.live`); the discrete-event simulation routes with the same
@@ -21,8 +26,9 @@ rules in virtual time (:mod:`prefix_router.bench.des`).
 from __future__ import annotations
 
 from enum import StrEnum
+from typing import Any
 
-from prefix_router.config import RouterConfig, SpillPolicyName
+from prefix_router.config import PlacementPolicyName, RouterConfig, SpillPolicyName
 
 
 class Policy(StrEnum):
@@ -31,6 +37,7 @@ class Policy(StrEnum):
     PREFIX = "prefix"
     PREFIX_SPILL = "prefix-spill"
     PREFIX_RELATIVE = "prefix-relative"
+    PREFIX_SPILL_RING = "prefix-spill-ring"
 
     @property
     def envoy_lb_policy(self) -> str:
@@ -42,15 +49,19 @@ class Policy(StrEnum):
     @property
     def uses_router(self) -> bool:
         """True when ext_proc computes a prefix key and Envoy hashes it."""
-        return self in (Policy.PREFIX, Policy.PREFIX_SPILL, Policy.PREFIX_RELATIVE)
+        return self.envoy_lb_policy == "RING_HASH"
 
     def router_config(self, base: RouterConfig) -> RouterConfig:
-        """``base`` with this policy's spill rule."""
+        """``base`` with this policy's spill rule (and placement, for ``prefix-spill-ring``)."""
         spill = {
             Policy.PREFIX_SPILL: SpillPolicyName.BOUNDED_LOAD,
             Policy.PREFIX_RELATIVE: SpillPolicyName.RELATIVE_LOAD,
+            Policy.PREFIX_SPILL_RING: SpillPolicyName.BOUNDED_LOAD,
         }.get(self, SpillPolicyName.NONE)
-        return base.patched({"spill": {"policy": spill.value}})
+        changes: dict[str, Any] = {"spill": {"policy": spill.value}}
+        if self is Policy.PREFIX_SPILL_RING:
+            changes["placement"] = {"policy": PlacementPolicyName.HOME.value}
+        return base.patched(changes)
 
 
 ALL_POLICIES: tuple[Policy, ...] = (

@@ -17,12 +17,15 @@ from types import ModuleType
 from prefix_router.bench.results import RunResult
 
 BASELINE = "round-robin"
+PREFIX_POLICIES = ("prefix", "prefix-spill", "prefix-relative", "prefix-spill-ring")
+"""The policies whose goals are checked, in the order the goal lines list them."""
 _COLORS = {
     "round-robin": "#7f7f7f",
     "least-request": "#bcbd22",
     "prefix": "#1f77b4",
     "prefix-spill": "#d62728",
     "prefix-relative": "#9467bd",
+    "prefix-spill-ring": "#ff7f0e",
 }
 
 
@@ -295,7 +298,7 @@ def check_goals(
         busy = rr.min_busy
         lines.append(f"- {workload}: round robin keeps every instance >= {_pct(busy)} busy "
                      f"({verdict(busy is not None and busy >= 0.6)} the >= 60% load condition)")
-        for policy in ("prefix", "prefix-spill", "prefix-relative"):
+        for policy in PREFIX_POLICIES:
             r = get(workload, policy)
             if r is None or r.bounds is None:
                 continue
@@ -309,7 +312,7 @@ def check_goals(
                 f"{tput * 100:+.1f}% ({verdict(tput >= -0.005)}, goal not lower)"
             )
     rr = get("unique", BASELINE)
-    for policy in ("prefix", "prefix-spill", "prefix-relative"):
+    for policy in PREFIX_POLICIES:
         r = get("unique", policy)
         if rr is not None and r is not None:
             change = r.ttft(50) / rr.ttft(50) - 1

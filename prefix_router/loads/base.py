@@ -6,6 +6,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Protocol
 
+from prefix_router.placement import Placement
 from prefix_router.spill import SpillRule
 
 
@@ -19,6 +20,9 @@ class Reservation:
     """Index into the candidates of the instance that took the request."""
     loads: tuple[int, ...]
     """Fleet-wide in-flight counts of the candidates before this reservation."""
+    start: int = 0
+    """Index of the prefix's home among the candidates (see :mod:`prefix_router.placement`);
+    ``index != start`` means the request spilled."""
 
 
 class LoadStore(Protocol):
@@ -28,8 +32,11 @@ class LoadStore(Protocol):
         rule: SpillRule,
         fleet_size: int,
         request_id: str = "",
+        placement: Placement | None = None,
     ) -> Reservation:
-        """Atomically choose a candidate by ``rule`` and count one request on it."""
+        """Atomically find the prefix's home (the ring's pick without ``placement``;
+        otherwise remembered, or placed now), choose a candidate from it by ``rule`` and
+        count one request on it."""
         ...
 
     def release(self, instance_id: str) -> None:

@@ -1,4 +1,4 @@
-"""In-process load store: exact counts for a single ext_proc replica."""
+"""In-process load store: exact counts and placements for a single ext_proc replica."""
 
 from __future__ import annotations
 
@@ -6,15 +6,17 @@ from collections import defaultdict
 from collections.abc import Sequence
 
 from prefix_router.loads.base import Reservation
+from prefix_router.placement import Placement, PlacementMemory
 from prefix_router.spill import SpillRule, choose
 
 
 class InMemoryLoadStore:
     """Counts live in this process only: correct for one replica, not shared."""
 
-    def __init__(self) -> None:
+    def __init__(self, placements: PlacementMemory | None = None) -> None:
         self._counts: defaultdict[str, int] = defaultdict(int)
         self._total = 0
+        self.placements = placements or PlacementMemory()
 
     async def reserve(
         self,
@@ -22,12 +24,14 @@ class InMemoryLoadStore:
         rule: SpillRule,
         fleet_size: int,
         request_id: str = "",
+        placement: Placement | None = None,
     ) -> Reservation:
         loads = tuple(self._counts[c] for c in candidates)
-        index = choose(loads, rule, fleet_total=self._total, fleet_size=fleet_size)
+        start = self.placements.start(placement, loads)
+        index = choose(loads, rule, fleet_total=self._total, fleet_size=fleet_size, start=start)
         self._counts[candidates[index]] += 1
         self._total += 1
-        return Reservation(index=index, loads=loads)
+        return Reservation(index=index, loads=loads, start=start)
 
     def release(self, instance_id: str) -> None:
         if self._counts.get(instance_id, 0) > 0:

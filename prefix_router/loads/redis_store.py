@@ -9,12 +9,16 @@ Layout (``ns`` is the namespace, e.g. ``prefix-router:``):
 ``{ns}decisions``           hash  outcome (home, spilled) -> decisions counted in Redis
 ``{ns}spills``              list  the last 100 spills, newest first, as JSON
                                   ``{time, home, to, home_in_flight, request_id}``
+``{ns}placed:{half}:{gen}`` string  bitfield of prefixes' placed homes, one 32-bit field
+                                  per slot, per generation of ``memory_s / 2`` (4 MiB at most)
 
 Reserves and releases are queued and sent by one background task as one Lua
 call (one command, one round trip, however many requests it carries): it
 applies the releases, then for each reserve reads the candidates' counts,
-applies the spill rule (the same rule as :func:`prefix_router.spill.choose`)
-and increments the chosen instance in both hashes. A script runs atomically,
+finds the prefix's home (:mod:`prefix_router.placement`, the same rules as
+:class:`~prefix_router.placement.PlacementMemory`), applies the spill rule (the
+same rule as :func:`prefix_router.spill.choose`) and increments the chosen
+instance in both hashes. A script runs atomically,
 so no two replicas can both see an instance below the threshold and both push
 it over. (A redis-py pipeline of scripts would cost a second round trip per
 batch: it asks ``SCRIPT EXISTS`` before every execute.)
@@ -39,6 +43,7 @@ import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
 from prefix_router.loads.base import LoadsUnavailable, Reservation
+from prefix_router.placement import Placement
 from prefix_router.spill import SpillRule
 
 log = logging.getLogger("prefix_router.loads")
@@ -47,10 +52,14 @@ HEARTBEAT_S = 1.0
 HEARTBEAT_TTL_S = 3.0
 
 # One round trip: every release, then every reserve, queued since the last one.
-# KEYS: fleet hash, replica hash, decisions hash, spills list.
+# KEYS: fleet hash, replica hash, decisions hash, spills list, placement key prefix.
 # ARGV: release count, ids to release (repeats allowed), then per reserve:
-#       policy, threshold, load_factor, fleet_size, request id, candidate count, candidate ids.
-# Returns per reserve: the candidates' counts before it, then the chosen index (0-based).
+#       policy, threshold, load_factor, fleet_size, request id,
+#       placement policy, placement width, placement memory_s, slot,
+#       candidate count, candidate ids, and unless the placement policy is 'home', their tags.
+# Returns per reserve: the candidates' counts before it, the chosen index, the home index.
+# Placements (prefix_router.placement): generation g of memory_s / 2 seconds is the bitfield
+# {prefix}{memory_s / 2}:{g}, one u32 per slot: home tag << 16 | ring pick tag (0: none).
 _APPLY = """
 local releases = tonumber(ARGV[1])
 for i = 2, releases + 1 do
@@ -62,36 +71,92 @@ for i = 2, releases + 1 do
   end
 end
 local total = nil  -- fleet-wide in flight, read once when relative-load needs it
-local home, spilled, now = 0, 0, nil
+local now = nil
+local function clock()
+  if now == nil then
+    local t = redis.call('TIME')
+    now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+  end
+  return now
+end
+local written = {}  -- placement generations written: key -> ttl ms
+local home, spilled = 0, 0
 local out = {}
 local pos = releases + 2
 while pos <= #ARGV do
   local policy, limit = ARGV[pos], tonumber(ARGV[pos + 1])
-  local request_id, n = ARGV[pos + 4], tonumber(ARGV[pos + 5])
-  local first = pos + 6
+  local request_id, n = ARGV[pos + 4], tonumber(ARGV[pos + 9])
+  local first = pos + 10
   local raw = redis.call('HMGET', KEYS[1], unpack(ARGV, first, first + n - 1))
   local loads = {}
   for i = 1, n do loads[i] = math.max(0, tonumber(raw[i]) or 0) end
-  local chosen = 1
+  local s = 1  -- the prefix's home, 1-based
+  local next_pos = first + n
+  if ARGV[pos + 5] ~= 'home' then
+    local tags = first + n  -- ARGV index of the first candidate's tag
+    next_pos = tags + n
+    local half = tonumber(ARGV[pos + 7]) / 2
+    local generation = math.floor(clock() / half)
+    local current = KEYS[5] .. half .. ':' .. generation
+    local slot = '#' .. ARGV[pos + 8]
+    local v = redis.call('BITFIELD', current, 'GET', 'u32', slot)[1]
+    local fresh = v ~= 0
+    if not fresh then
+      v = redis.call('BITFIELD', KEYS[5] .. half .. ':' .. (generation - 1), 'GET', 'u32', slot)[1]
+    end
+    s = nil
+    if v == 0 then  -- a new prefix: the least loaded of the first width candidates
+      s = 1
+      for i = 2, math.min(tonumber(ARGV[pos + 6]), n) do
+        if loads[i] < loads[s] then s = i end
+      end
+    else
+      local home, pick = math.floor(v / 65536), v % 65536
+      local taken = false  -- an instance that joined took the key's ring position
+      if pick ~= tonumber(ARGV[tags]) then
+        fresh = false  -- the pick changed: remember the new one
+        for i = 2, n do
+          if tonumber(ARGV[tags + i - 1]) == pick then taken = true; break end
+        end
+      end
+      if not taken then
+        for i = 1, n do
+          if tonumber(ARGV[tags + i - 1]) == home then s = i; break end
+        end
+      end
+    end
+    if s == nil then  -- taken by a newcomer, or the home left: where the ring sends it
+      s = 1
+      fresh = false
+    end
+    if not fresh then
+      local value = tonumber(ARGV[tags + s - 1]) * 65536 + tonumber(ARGV[tags])
+      redis.call('BITFIELD', current, 'SET', 'u32', slot, value)
+      written[current] = math.ceil(2000 * half)
+    end
+  end
+  local chosen = s
   if policy ~= 'none' then
     if policy == 'relative-load' then
       if total == nil then
         total = 0
-        for _, v in ipairs(redis.call('HVALS', KEYS[1])) do
-          total = total + math.max(0, tonumber(v))
+        for _, c in ipairs(redis.call('HVALS', KEYS[1])) do
+          total = total + math.max(0, tonumber(c))
         end
       end
       local size = math.max(1, tonumber(ARGV[pos + 3]))
       limit = math.max(1, math.ceil(tonumber(ARGV[pos + 2]) * (total + 1) / size))
     end
-    chosen = nil
-    for i = 1, n do
-      if loads[i] < limit then chosen = i; break end
-    end
-    if chosen == nil then
-      chosen = 1
-      for i = 2, n do
-        if loads[i] < loads[chosen] then chosen = i end
+    if loads[s] >= limit then
+      chosen = nil
+      for i = 1, n do
+        if i ~= s and loads[i] < limit then chosen = i; break end
+      end
+      if chosen == nil then
+        chosen = s
+        for i = 1, n do
+          if loads[i] < loads[chosen] then chosen = i end
+        end
       end
     end
   end
@@ -99,22 +164,20 @@ while pos <= #ARGV do
   redis.call('HINCRBY', KEYS[1], id, 1)
   redis.call('HINCRBY', KEYS[2], id, 1)
   if total ~= nil then total = total + 1 end
-  if chosen == 1 then
+  if chosen == s then
     home = home + 1
   else
     spilled = spilled + 1
-    if now == nil then
-      local t = redis.call('TIME')
-      now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-    end
     redis.call('LPUSH', KEYS[4], cjson.encode({
-      time = now, home = ARGV[first], to = id, home_in_flight = loads[1],
+      time = clock(), home = ARGV[first + s - 1], to = id, home_in_flight = loads[s],
       request_id = request_id}))
   end
   loads[n + 1] = chosen - 1
+  loads[n + 2] = s - 1
   out[#out + 1] = loads
-  pos = first + n
+  pos = next_pos
 end
+for key, ttl in pairs(written) do redis.call('PEXPIRE', key, ttl) end
 if home > 0 then redis.call('HINCRBY', KEYS[3], 'home', home) end
 if spilled > 0 then
   redis.call('HINCRBY', KEYS[3], 'spilled', spilled)
@@ -195,6 +258,7 @@ class RedisLoadStore:
             self.share_key,
             f"{namespace}decisions",
             f"{namespace}spills",
+            f"{namespace}placed:",
         ]
         self._apply = client.register_script(_APPLY)
         self._rewrite = client.register_script(_REWRITE_SHARE)
@@ -228,6 +292,10 @@ class RedisLoadStore:
             health_check_interval=0,
         )
         store = cls(client, namespace=namespace, replica=replica, round_trip_timeout_s=timeout_s)
+        # Load the script now, so the first requests' round trip is not three.
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            async with asyncio.timeout(max(timeout_s, 0.5)):
+                await client.script_load(_APPLY)
         store.start()
         return store
 
@@ -243,17 +311,25 @@ class RedisLoadStore:
         rule: SpillRule,
         fleet_size: int,
         request_id: str = "",
+        placement: Placement | None = None,
     ) -> Reservation:
         future: asyncio.Future[Reservation] = asyncio.get_running_loop().create_future()
-        args = (
-            rule.policy.value,
-            rule.threshold,
-            rule.load_factor,
-            fleet_size,
-            request_id,
-            len(candidates),
-            *candidates,
-        )
+        args: tuple[str | int | float, ...]
+        head = (rule.policy.value, rule.threshold, rule.load_factor, fleet_size, request_id)
+        if placement is None or not placement.rule.remembers:
+            args = (*head, "home", 0, 0, 0, len(candidates), *candidates)
+        else:
+            p = placement.rule
+            args = (
+                *head,
+                p.policy.value,
+                p.width,
+                p.memory_s,
+                placement.slot,
+                len(candidates),
+                *candidates,
+                *placement.tags,
+            )
         if not self._tasks or self._tasks[0].done():
             raise LoadsUnavailable("the load store is not running")
         self._reserves.append((args, candidates, future))
@@ -301,15 +377,14 @@ class RedisLoadStore:
                         future.set_exception(LoadsUnavailable(repr(exc)))
                 continue
             for (_, candidates, future), result in zip(reserves, results, strict=True):
-                index = int(result[-1])
+                index, start = int(result[-2]), int(result[-1])
                 chosen = candidates[index]
                 self._local[chosen] += 1
                 if future.done():  # the caller timed out and routed by the ring alone
                     self.release(chosen)
                 else:
-                    future.set_result(
-                        Reservation(index=index, loads=tuple(int(x) for x in result[:-1]))
-                    )
+                    loads = tuple(int(x) for x in result[:-2])
+                    future.set_result(Reservation(index=index, loads=loads, start=start))
 
     async def _heartbeat(self) -> None:
         while not self._closing:
