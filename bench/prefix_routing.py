@@ -37,15 +37,18 @@ WORKLOADS: dict[str, list[str]] = {
     "code": ["--requests", "1000", "--rate", "2"],
     "hot-prefix": ["--requests", "1500", "--rate", "14"],
 }
-POLICIES = {"unique": "all,prefix-relative"}
-"""Where nothing is shared, spilling above 1.25 x the fleet's mean load (relative-load) is
-the lever that keeps prefix routing as even as round robin."""
+POLICIES = {w: "all,prefix-spill-ring" for w in WORKLOADS} | {
+    "unique": "all,prefix-spill-ring,prefix-relative"
+}
+"""Besides the four: ``prefix-spill-ring`` (new prefixes on the ring's pick, as before
+placement) shows what placement adds; on unique prefixes, ``prefix-relative`` (spill above
+1.25 x the fleet's mean load) is the other lever for evenness."""
 
 LARGE_RUN = [
     "--workload", "rag", "--instances", "128", "--num-gpu-blocks", "8192",
     "--concurrency-threshold", "16", "--requests", "100000", "--rate", "64",
     "--set", "docs=3072", "--resize", "500:+32,1000:-32", "--window", "20",
-    "--policies", "round-robin,prefix,prefix-spill",
+    "--policies", "round-robin,prefix,prefix-spill,prefix-spill-ring",
 ]
 """128 instances, 3,072 documents (24 per instance), 100k requests; 32 instances join at
 500 s and 32 random ones leave at 1,000 s."""
@@ -54,7 +57,7 @@ LARGEST_RUN = [
     "--workload", "rag", "--instances", "256", "--num-gpu-blocks", "8192",
     "--concurrency-threshold", "16", "--requests", "100000", "--rate", "128",
     "--set", "docs=6144", "--resize", "300:+64,550:-64", "--window", "10",
-    "--policies", "round-robin,prefix-spill",
+    "--policies", "round-robin,prefix-spill,prefix-spill-ring",
 ]
 """256 instances, the same per-instance load and working set, 64 join and 64 leave."""
 
