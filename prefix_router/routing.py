@@ -2,15 +2,16 @@
 
 A :class:`RoutingTable` is everything ext_proc needs to route, derived once per
 (fleet version, config version) and never mutated: the ring mirror over the
-routable instances, one steering token per instance, the key settings, the
-placement rule and the spill rule. ext_proc swaps the whole table when either changes, so a request
-always sees one consistent version.
+routable instances, one steering token and one placement tag per instance, the
+key settings, the placement rule and the spill rule. ext_proc swaps the whole
+table when either version changes, so a request always sees one consistent
+version.
 
-:func:`lookup` lists the key's ring pick and its ring successors, with the
-key's placement slot; :func:`header_for` turns the chosen candidate into the
-``x-prefix-key`` value Envoy hashes: the key itself for the ring's own pick (so
-Envoy alone would pick the same instance) or the chosen instance's steering
-token.
+:func:`lookup` lists the key's ring pick and its ring successors, with what
+placement needs to find the prefix's home; :func:`header_for` turns the chosen
+candidate into the ``x-prefix-key`` value Envoy hashes: the key itself for the
+ring's own pick (so Envoy alone would pick the same instance) or the chosen
+instance's steering token.
 """
 
 from __future__ import annotations
