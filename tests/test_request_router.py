@@ -3,15 +3,12 @@
 from __future__ import annotations
 
 import json
-from collections.abc import Sequence
 
 from ext_proc.router import RequestRouter
 from prefix_router.config import RouterConfig
 from prefix_router.fleet import Fleet, Instance
 from prefix_router.loads import InMemoryLoadStore, LoadsUnavailable, Reservation
-from prefix_router.placement import Placement
 from prefix_router.routing import Outcome, RoutingTable
-from prefix_router.spill import SpillRule
 
 CONFIG = RouterConfig.model_validate({"concurrency_threshold": 2})
 TABLE = RoutingTable.build(Fleet.of([Instance("127.0.0.1", 8000 + i) for i in range(3)]), CONFIG)
@@ -22,14 +19,7 @@ PATH = "/v1/chat/completions"
 class DownStore(InMemoryLoadStore):
     """A shared store whose server is down."""
 
-    async def reserve(
-        self,
-        candidates: Sequence[str],
-        rule: SpillRule,
-        fleet_size: int,
-        request_id: str = "",
-        placement: Placement | None = None,
-    ) -> Reservation:
+    async def reserve(self, *args: object, **kwargs: object) -> Reservation:
         raise LoadsUnavailable("connection refused")
 
 
