@@ -85,10 +85,6 @@ class RoutingTable:
         tags = [self.tags[c] for c in candidates]
         return candidates, Placement(self.placement, slot_of(ring_hash), tags)
 
-    def candidates_for(self, key: str) -> list[int]:
-        """Host indexes: the ring's pick for the key, then its ring successors."""
-        return self.lookup(key)[0]
-
     def header_for(self, key: str, candidates: list[int], chosen: int) -> str:
         """The ``x-prefix-key`` value that makes Envoy pick ``candidates[chosen]``."""
         return key if chosen == 0 else self.tokens[candidates[chosen]]

@@ -86,7 +86,7 @@ def candidates_of(workload: Workload, ids: tuple[str, ...]) -> list[list[str]]:
         turn = arrival.turns[0]
         key = extract_key(request_body(turn, model=ENGINE.model), settings=table.key_settings,
                           path=PATHS[turn.endpoint])
-        out.append([table.ids[c] for c in table.candidates_for(key.value)])
+        out.append([table.ids[c] for c in table.lookup(key.value)[0]])
     return out
 
 
@@ -153,7 +153,7 @@ def test_spill_walks_the_ring_when_home_is_at_the_threshold() -> None:
     table = RoutingTable.build(Fleet.of([Instance.from_url(i) for i in ids]), router)
     key = extract_key(request_body(arrivals[0].turns[0], model=ENGINE.model),
                       settings=table.key_settings).value
-    ring_order = [table.ids[c] for c in table.candidates_for(key)]
+    ring_order = [table.ids[c] for c in table.lookup(key)[0]]
     assert [r.instance for r in spill.records] == ring_order  # home, 2nd, 3rd, 4th home
     assert spill.peak_in_flight == 1 < nospill.peak_in_flight
 

@@ -174,7 +174,7 @@ async def test_a_new_prefix_starts_beside_its_busy_ring_pick_and_stays_there(
     def ring_of(prompt: str) -> list[str]:
         """The prompt's ring candidates as instance ports (the simulator's names)."""
         key = extract_key(chat_body(prompt), settings=table.key_settings).value
-        return [table.ids[c].rsplit(":", 1)[1] for c in table.candidates_for(key)]
+        return [table.ids[c].rsplit(":", 1)[1] for c in table.lookup(key)[0]]
 
     busy = ring_of(HOT_PROMPT)[0]
     prompts = (f"A cold prompt, number {i}. " * 30 for i in range(5000))
