@@ -1,10 +1,13 @@
 """What ext_proc adds to a request: Envoy -> backend directly vs through ext_proc.
 
-Starts, on 127.0.0.1: three echo backends, P ext_proc processes, and two Envoys
-over the same static fleet, one routing through ext_proc and one with the
-filter turned off. For 1 KB and 64 KB OpenAI chat bodies it measures, with
-wrk, latency p50/p99 at concurrency 1 and requests/s at concurrency 16, and
-prints a markdown table (also written to bench/results/data_plane_latency.md).
+Starts, on 127.0.0.1: three echo backends, P prefix-router ext_proc processes, P
+bare ones (``bare_ext_proc.py``: continue, decide nothing) and three Envoys over
+the same static fleet: one with the filter turned off, one through the bare
+ext_proc, one through prefix-router's. The bare one is the yardstick that does
+not depend on the machine: prefix-router minus bare is what its logic costs.
+For 1 KB and 64 KB OpenAI chat bodies it measures, with wrk, latency p50/p99 at
+concurrency 1 and requests/s at concurrency 16, and prints a markdown table
+(also written to bench/results/data_plane_latency.md).
 
     python bench/data_plane_latency.py [--ext-procs 1] [--seconds 8]
 """
@@ -22,6 +25,12 @@ from prefix_router.envoy_bootstrap import BootstrapParams
 from prefix_router.fleet import Fleet, Instance
 from prefix_router.launch import start_envoy, start_ext_proc, start_module
 from prefix_router.procs import ManagedProcess, free_port
+
+PATHS = {
+    "direct": "Envoy alone",
+    "bare": "bare Python ext_proc",
+    "ext_proc": "prefix-router ext_proc",
+}
 
 
 def main() -> None:
@@ -48,14 +57,25 @@ def main() -> None:
         fleet = Fleet.of([Instance("127.0.0.1", p) for p in ports])
         config = RouterConfig()
         ep_ports = [free_port() for _ in range(args.ext_procs)]
+        bare_ports = [free_port() for _ in range(args.ext_procs)]
         ep_args = [a for p in ports for a in ("--backend", f"127.0.0.1:{p}")]
         if args.redis_url:
             ep_args += ["--redis-url", args.redis_url, "--namespace", "bench-dp:"]
         for port in ep_ports:
             started.append(start_ext_proc(port, logs, args=ep_args))
+        for port in bare_ports:
+            started.append(
+                start_module(
+                    f"bare-{port}", "bench.bare_ext_proc", [str(port)], logs, ready_ports=[port]
+                )
+            )
         urls = {}
-        for name, eps in (("direct", ()), ("ext_proc", tuple(("127.0.0.1", p) for p in ep_ports))):
-            params = BootstrapParams(listen_port=free_port(), admin_port=free_port(), ext_proc=eps)
+        for name, eps in (("direct", []), ("bare", bare_ports), ("ext_proc", ep_ports)):
+            params = BootstrapParams(
+                listen_port=free_port(),
+                admin_port=free_port(),
+                ext_proc=tuple(("127.0.0.1", p) for p in eps),
+            )
             started.append(
                 start_envoy(
                     params,
@@ -71,31 +91,33 @@ def main() -> None:
         rows = []
         for size in (1024, 64 * 1024):
             body = chat_body(size)
-            r = {
+            latency = {
                 name: run_wrk(url, body, connections=1, threads=1, seconds=args.seconds)
                 for name, url in urls.items()
             }
-            t = {
+            rate = {
                 name: run_wrk(url, body, connections=16, threads=2, seconds=args.seconds)
                 for name, url in urls.items()
             }
-            rows.append(
-                f"| {size // 1024} KB | {r['direct']['p50']:.2f} | {r['ext_proc']['p50']:.2f} | "
-                f"**{r['ext_proc']['p50'] - r['direct']['p50']:+.2f}** | "
-                f"{r['direct']['p99']:.2f} | {r['ext_proc']['p99']:.2f} | "
-                f"**{r['ext_proc']['p99'] - r['direct']['p99']:+.2f}** | "
-                f"{t['direct']['rps']:.0f} | **{t['ext_proc']['rps']:.0f}** | "
-                f"{int(sum(x['errors'] for x in (*r.values(), *t.values())))} |"
-            )
+            direct = latency["direct"]
+            for name, label in PATHS.items():
+                r, t = latency[name], rate[name]
+                added = ["-", "-"]
+                if name != "direct":
+                    added = [f"**{r[q] - direct[q]:+.2f}**" for q in ("p50", "p99")]
+                rows.append(
+                    f"| {size // 1024} KB | {label} | {r['p50']:.2f} | {r['p99']:.2f} | "
+                    f"{added[0]} | {added[1]} | **{t['rps']:.0f}** | "
+                    f"{int(r['errors'] + t['errors'])} |"
+                )
         table = "\n".join(
             [
                 f"ext_proc processes: {args.ext_procs}; Envoy workers: {args.envoy_concurrency}; "
                 f"load store: {'Redis' if args.redis_url else 'in-process'}",
                 "",
-                "| body | p50 direct ms | p50 via ext_proc ms | added p50 ms | p99 direct ms "
-                "| p99 via ext_proc ms | added p99 ms | req/s direct (c16) "
-                "| req/s via ext_proc (c16) | non-2xx |",
-                "|---|---|---|---|---|---|---|---|---|---|",
+                "| body | path | p50 ms | p99 ms | added p50 ms | added p99 ms "
+                "| req/s (c16) | non-2xx |",
+                "|---|---|---|---|---|---|---|---|",
                 *rows,
             ]
         )
