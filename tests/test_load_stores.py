@@ -176,6 +176,34 @@ async def test_releases_bring_every_count_back_to_zero(make_store: StoreFactory)
     assert await store.in_flight() == {}
 
 
+async def test_a_share_in_doubt_is_rewritten_before_the_next_batch(namespace: str) -> None:
+    """A round trip that failed may still have been applied. The flusher rewrites the
+    share from the exact local counts before it sends anything else, so a release
+    queued meanwhile cannot be undone by a rewrite overtaking it (the heartbeat used
+    to rewrite on its own connection, and a lost race left a count stuck at 1)."""
+    store = await RedisLoadStore.connect(REDIS_URL, namespace=namespace)
+    store._tasks[1].cancel()  # no heartbeat: only the flusher may repair the share
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        assert (await store.reserve(IDS, BOUNDED, 3)).index == 0
+        # A reserve Redis applied although its reply was lost, which marks the share in doubt.
+        for key in (store.fleet_key, store.share_key):
+            await client.hincrby(key, "a", 1)
+        store._in_doubt = True
+        assert await store.in_flight() == {"a": 2}
+        store.release("a")
+        for _ in range(200):  # up to 2 s: the flusher's next round trip
+            if await store.in_flight() == {}:
+                break
+            await asyncio.sleep(0.01)
+        assert await store.in_flight() == {}
+        assert await client.hgetall(store.share_key) == {}
+        assert (await store.reserve(IDS, BOUNDED, 3)).loads == (0, 0, 0)
+    finally:
+        await store.close()
+        await client.aclose()
+
+
 async def test_two_replicas_share_counts(namespace: str) -> None:
     one = await RedisLoadStore.connect(REDIS_URL, namespace=namespace)
     two = await RedisLoadStore.connect(REDIS_URL, namespace=namespace)

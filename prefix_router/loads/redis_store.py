@@ -26,8 +26,9 @@ batch: it asks ``SCRIPT EXISTS`` before every execute.)
 Counts heal themselves: a replica that dies stops beating, and any
 replica's janitor (or the control plane's) subtracts the dead replica's share
 from the fleet-wide counts within a few seconds. When a round trip fails
-outright, the replica rewrites its share from its own exact local counts at
-the next quiet moment.
+outright, the replica rewrites its share from its own exact local counts
+before its next batch, in the flusher, so no release or reserve can overtake
+the rewrite on another connection.
 """
 
 from __future__ import annotations
@@ -353,20 +354,32 @@ class RedisLoadStore:
         carries many requests, and the Python cost per request is packing its
         arguments. A reserve whose caller gave up waiting (timeout) is still
         counted by Redis, so it is released at once: counts stay exact.
+
+        After a failed round trip the share is in doubt: the next batch starts by
+        rewriting it from the local counts, which already reflect the batch's
+        releases (so those are not sent again). Rewrite and batch go in order from
+        this one task: a rewrite sent by another task could be overtaken by a
+        release and then restore the count that release removed.
         """
         while not self._closing:
             await self._wake.wait()
             self._wake.clear()
             reserves, self._reserves = self._reserves, []
             releases, self._pending = self._pending, []
-            if not reserves and not releases:
+            if not reserves and not releases and not self._in_doubt:
                 continue
-            args: list[str | int | float] = [len(releases), *releases]
-            for reserve_args, _, _ in reserves:
-                args += reserve_args
             try:
                 async with asyncio.timeout(self.round_trip_timeout_s):
-                    results = await self._apply(keys=self.apply_keys, args=args)
+                    if self._in_doubt:
+                        await self._rewrite_share()
+                        self._in_doubt = False
+                        releases = []
+                    results = []
+                    if reserves or releases:
+                        args: list[str | int | float] = [len(releases), *releases]
+                        for reserve_args, _, _ in reserves:
+                            args += reserve_args
+                        results = await self._apply(keys=self.apply_keys, args=args)
             except Exception as exc:  # noqa: BLE001 - the flusher must outlive any failure
                 # Unknown whether Redis applied them: rewrite the share from local counts later.
                 if not isinstance(exc, RedisError | OSError | TimeoutError):
@@ -395,15 +408,15 @@ class RedisLoadStore:
             await asyncio.sleep(HEARTBEAT_S)
 
     async def beat(self) -> None:
-        """Refresh this replica's heartbeat, reap dead replicas, repair a doubtful share."""
+        """Refresh this replica's heartbeat, reap dead replicas; wake the flusher to
+        repair a doubtful share on a replica that has no traffic."""
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(self.alive_key, b"1", px=int(HEARTBEAT_TTL_S * 1000))
             pipe.sadd(self.replicas_key, self.replica)
             await pipe.execute()
         await self._reap(keys=[self.fleet_key, self.replicas_key], args=[self.namespace])
-        if self._in_doubt and not self._reserves and not self._pending:
-            self._in_doubt = False
-            await self._rewrite_share()
+        if self._in_doubt:
+            self._wake.set()
 
     async def _rewrite_share(self) -> None:
         args: list[str | int] = []
