@@ -16,8 +16,14 @@ resource names). The protocol, as Envoy speaks it:
   NACK (set: Envoy rejected that version and keeps its previous config). A
   NACKed version is not sent again; the next snapshot is;
 * when the snapshot changes, every subscribed type whose sent version differs
-  gets the new one, clusters before endpoints. A change of requested resource
-  names is answered even at the same version.
+  gets the new one, clusters before endpoints: endpoints follow once Envoy has
+  answered (ACK or NACK) the clusters, or when it asks for endpoints while it
+  processes them. A changed cluster makes Envoy warm a new one, which needs
+  endpoints that arrive after it (and Envoy holds the clusters' ACK until it
+  has them): endpoints sent together with the cluster went to the old cluster,
+  and the new one warmed for ``initial_fetch_timeout`` (15 s) while the old one
+  routed with the old ring size, where ext_proc's mirror had the new one. A
+  change of requested resource names is answered even at the same version.
 
 Each stream is one task reading requests into a queue; the handler loop takes
 requests and "snapshot changed" events from that queue in order, so the
@@ -52,6 +58,8 @@ class _Subscription:
     sent_version: str | None = None
     sent_nonce: str | None = None
     sent_names: frozenset[str] | None = None
+    answered: bool = True
+    """Envoy has ACKed or NACKed the last response sent (or none was sent)."""
 
 
 class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignore[misc]
@@ -77,11 +85,9 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
                     return
                 if event is _CHANGED:
                     assert node is not None
-                    for type_url in TYPE_ORDER:
-                        if type_url in subs:
-                            response = self._respond(stream_id, node, type_url, subs[type_url])
-                            if response is not None:
-                                yield response
+                    response = self._next_in_order(stream_id, node, subs)
+                    if response is not None:
+                        yield response
                     continue
                 assert isinstance(event, discovery_pb2.DiscoveryRequest)
                 if node is None:
@@ -126,7 +132,28 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
         else:
             self.callbacks.on_ack(stream_id, node, type_url, request.version_info)
         sub.names = names
-        return self._respond(stream_id, node, type_url, sub)
+        sub.answered = True
+        if any(not subs[t].answered for t in _before(type_url) if t in subs):
+            # Envoy asks for this type while it processes an earlier one: a warming
+            # cluster subscribing to its endpoints, which it needs before it ACKs.
+            return self._respond(stream_id, node, type_url, sub)
+        return self._next_in_order(stream_id, node, subs)
+
+    def _next_in_order(
+        self, stream_id: int, node: base_pb2.Node, subs: dict[str, _Subscription]
+    ) -> discovery_pb2.DiscoveryResponse | None:
+        """The next response the stream is due, in :data:`TYPE_ORDER`: nothing while a
+        response of an earlier type awaits Envoy's answer, one type at a time."""
+        for type_url in TYPE_ORDER:
+            sub = subs.get(type_url)
+            if sub is None:
+                continue
+            if not sub.answered:
+                return None
+            response = self._respond(stream_id, node, type_url, sub)
+            if response is not None:
+                return response
+        return None
 
     def _respond(
         self,
@@ -152,8 +179,13 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
         sub.sent_version = snapshot.version
         sub.sent_nonce = nonce
         sub.sent_names = sub.names
+        sub.answered = False
         self.callbacks.on_response(stream_id, node, type_url, snapshot.version)
         return response
+
+
+def _before(type_url: str) -> tuple[str, ...]:
+    return TYPE_ORDER[: TYPE_ORDER.index(type_url)]
 
 
 async def _read_requests(

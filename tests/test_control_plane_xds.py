@@ -214,7 +214,9 @@ async def subscribe(envoy: Envoyish) -> tuple[Any, Any]:
     return cds, eds
 
 
-async def test_subscribe_ack_and_push_clusters_before_endpoints(xds: XdsFixture) -> None:
+async def test_subscribe_ack_and_push_clusters_then_endpoints_once_envoy_has_the_cluster(
+    xds: XdsFixture,
+) -> None:
     cache, clients, channel = xds
     cache.set_snapshot(ALL_NODES, snap(1))
     envoy = Envoyish(channel, "e1")
@@ -225,11 +227,37 @@ async def test_subscribe_ack_and_push_clusters_before_endpoints(xds: XdsFixture)
     assert clients.clients["e1"].acked == {"cds": "1.1", "eds": "1.1"}
 
     cache.set_snapshot(ALL_NODES, snap(2, A))
-    first, second = await envoy.recv(), await envoy.recv()
-    assert [first.type_url, second.type_url] == [CLUSTER_TYPE, ENDPOINT_TYPE]
-    assert {first.version_info, second.version_info} == {"2.1"}
+    first = await envoy.recv()
+    assert (first.type_url, first.version_info) == (CLUSTER_TYPE, "2.1")
+    # Endpoints wait for the cluster's ACK: Envoy's warming cluster must be there to take them.
+    assert await envoy.silent()
+    envoy.ack(first)
+    second = await envoy.recv()
+    assert (second.type_url, second.version_info) == (ENDPOINT_TYPE, "2.1")
     cla = unpack(second.resources[0], endpoint_pb2.ClusterLoadAssignment())
     assert [e.endpoint.hostname for e in cla.endpoints[0].lb_endpoints] == [A.id]
+    await envoy.close()
+
+
+async def test_a_warming_cluster_asking_for_endpoints_gets_them_before_it_acks(
+    xds: XdsFixture,
+) -> None:
+    """Envoy holds the ACK of a changed cluster until the cluster has warmed, which
+    takes endpoints: its request for them (at the last nonce) is answered at once."""
+    cache, _, channel = xds
+    cache.set_snapshot(ALL_NODES, snap(1))
+    envoy = Envoyish(channel, "e1")
+    _, eds = await subscribe(envoy)
+    assert await envoy.silent()
+    cache.set_snapshot(ALL_NODES, snap(2, A))
+    cds = await envoy.recv()
+    assert (cds.type_url, cds.version_info) == (CLUSTER_TYPE, "2.1")
+    envoy.ack(eds, names=("models",))  # the warming cluster subscribes, CDS not yet ACKed
+    endpoints = await envoy.recv()
+    assert (endpoints.type_url, endpoints.version_info) == (ENDPOINT_TYPE, "2.1")
+    envoy.ack(cds)
+    envoy.ack(endpoints, names=("models",))
+    assert await envoy.silent()
     await envoy.close()
 
 
@@ -241,9 +269,11 @@ async def test_a_nack_is_recorded_with_envoys_error_and_the_version_not_resent(
     envoy = Envoyish(channel, "e1")
     await subscribe(envoy)
     cache.set_snapshot(ALL_NODES, snap(2, A))
-    bad_cds, bad_eds = await envoy.recv(), await envoy.recv()
+    bad_cds = await envoy.recv()
     # Envoy rejects the cluster: it answers with its last good version and the error.
     envoy.send(CLUSTER_TYPE, version="1.1", nonce=bad_cds.nonce, error="bad cluster: boom")
+    bad_eds = await envoy.recv()  # a NACK answers too: the old cluster takes the endpoints
+    assert bad_eds.type_url == ENDPOINT_TYPE
     envoy.ack(bad_eds, names=("models",))
     assert await envoy.silent()
     status = clients.clients["e1"]
@@ -265,12 +295,13 @@ async def test_a_stale_nonce_is_ignored(xds: XdsFixture) -> None:
     cache.set_snapshot(ALL_NODES, snap(1))
     envoy = Envoyish(channel, "e1")
     cds, _ = await subscribe(envoy)
+    assert await envoy.silent()  # the ACKs are in before the change
     cache.set_snapshot(ALL_NODES, snap(2))
     newer = await envoy.recv()
-    await envoy.recv()
     envoy.send(CLUSTER_TYPE, version="0", nonce=cds.nonce, error="old news")
-    assert await envoy.silent()
+    assert await envoy.silent()  # neither answered nor taken as the ACK endpoints wait for
     envoy.ack(newer)
+    assert (await envoy.recv()).type_url == ENDPOINT_TYPE
     await envoy.close()
 
 
