@@ -58,6 +58,8 @@ class _Subscription:
     sent_version: str | None = None
     sent_nonce: str | None = None
     sent_names: frozenset[str] | None = None
+    sent_seq: int = 0
+    """When the last response was sent, on the stream's nonce counter."""
     answered: bool = True
     """Envoy has ACKed or NACKed the last response sent (or none was sent)."""
 
@@ -133,10 +135,13 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
             self.callbacks.on_ack(stream_id, node, type_url, request.version_info)
         sub.names = names
         sub.answered = True
-        if any(not subs[t].answered for t in _before(type_url) if t in subs):
+        pending = [subs[t] for t in _before(type_url) if t in subs and not subs[t].answered]
+        if pending:
             # Envoy asks for this type while it processes an earlier one: a warming
-            # cluster subscribing to its endpoints, which it needs before it ACKs.
-            return self._respond(stream_id, node, type_url, sub)
+            # cluster subscribing to its endpoints, which it needs before it ACKs. It
+            # gets them again if what it has was sent before that earlier response.
+            stale = sub.sent_seq < max(p.sent_seq for p in pending)
+            return self._respond(stream_id, node, type_url, sub, force=stale)
         return self._next_in_order(stream_id, node, subs)
 
     def _next_in_order(
@@ -169,7 +174,8 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
             return None
         if not force and sub.sent_version == snapshot.version and sub.sent_names == sub.names:
             return None
-        nonce = str(next(self._nonces))
+        seq = next(self._nonces)
+        nonce = str(seq)
         response = discovery_pb2.DiscoveryResponse(
             version_info=snapshot.version,
             type_url=type_url,
@@ -179,6 +185,7 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
         sub.sent_version = snapshot.version
         sub.sent_nonce = nonce
         sub.sent_names = sub.names
+        sub.sent_seq = seq
         sub.answered = False
         self.callbacks.on_response(stream_id, node, type_url, snapshot.version)
         return response

@@ -261,6 +261,38 @@ async def test_a_warming_cluster_asking_for_endpoints_gets_them_before_it_acks(
     await envoy.close()
 
 
+async def test_a_cluster_sent_after_its_endpoints_gets_them_again_when_it_asks(
+    xds: XdsFixture,
+) -> None:
+    """Two changes in a row: the endpoints of the second went out (to the warming first
+    cluster) before the second cluster did. When the second asks, it gets them again,
+    though Envoy already holds that version; otherwise it warms for 15 s."""
+    cache, _, channel = xds
+    cache.set_snapshot(ALL_NODES, snap(1))
+    envoy = Envoyish(channel, "e1")
+    _, eds1 = await subscribe(envoy)
+    assert await envoy.silent()
+    cache.set_snapshot(ALL_NODES, snap(2, A))
+    cds2 = await envoy.recv()
+    envoy.ack(eds1, names=("models",))
+    eds2 = await envoy.recv()
+    cache.set_snapshot(ALL_NODES, snap(3, B))
+    assert await envoy.silent()  # the clusters of 3 wait for the ACK of 2
+    envoy.ack(eds2, names=("models",))
+    eds3 = await envoy.recv()
+    assert (eds3.type_url, eds3.version_info) == (ENDPOINT_TYPE, "3.1")
+    envoy.ack(cds2)
+    cds3 = await envoy.recv()
+    assert (cds3.type_url, cds3.version_info) == (CLUSTER_TYPE, "3.1")
+    envoy.ack(eds3, names=("models",))  # the warming cluster of 3 subscribes
+    again = await envoy.recv()
+    assert (again.type_url, again.version_info) == (ENDPOINT_TYPE, "3.1")
+    envoy.ack(cds3)
+    envoy.ack(again, names=("models",))
+    assert await envoy.silent()
+    await envoy.close()
+
+
 async def test_a_nack_is_recorded_with_envoys_error_and_the_version_not_resent(
     xds: XdsFixture,
 ) -> None:
