@@ -204,6 +204,13 @@ async def xds() -> AsyncIterator[tuple[SnapshotCache, ClientRegistry, grpc.aio.C
 XdsFixture = tuple[SnapshotCache, ClientRegistry, grpc.aio.Channel]
 
 
+async def expect(envoy: Envoyish, type_url: str, version: str) -> Any:
+    """The next response, which must be of ``type_url`` at ``version``."""
+    response = await envoy.recv()
+    assert (response.type_url, response.version_info) == (type_url, version)
+    return response
+
+
 async def subscribe(envoy: Envoyish) -> tuple[Any, Any]:
     envoy.send(CLUSTER_TYPE)
     cds = await envoy.recv()
@@ -227,13 +234,11 @@ async def test_subscribe_ack_and_push_clusters_then_endpoints_once_envoy_has_the
     assert clients.clients["e1"].acked == {"cds": "1.1", "eds": "1.1"}
 
     cache.set_snapshot(ALL_NODES, snap(2, A))
-    first = await envoy.recv()
-    assert (first.type_url, first.version_info) == (CLUSTER_TYPE, "2.1")
+    first = await expect(envoy, CLUSTER_TYPE, "2.1")
     # Endpoints wait for the cluster's ACK: Envoy's warming cluster must be there to take them.
     assert await envoy.silent()
     envoy.ack(first)
-    second = await envoy.recv()
-    assert (second.type_url, second.version_info) == (ENDPOINT_TYPE, "2.1")
+    second = await expect(envoy, ENDPOINT_TYPE, "2.1")
     cla = unpack(second.resources[0], endpoint_pb2.ClusterLoadAssignment())
     assert [e.endpoint.hostname for e in cla.endpoints[0].lb_endpoints] == [A.id]
     await envoy.close()
@@ -250,11 +255,9 @@ async def test_a_warming_cluster_asking_for_endpoints_gets_them_before_it_acks(
     _, eds = await subscribe(envoy)
     assert await envoy.silent()
     cache.set_snapshot(ALL_NODES, snap(2, A))
-    cds = await envoy.recv()
-    assert (cds.type_url, cds.version_info) == (CLUSTER_TYPE, "2.1")
+    cds = await expect(envoy, CLUSTER_TYPE, "2.1")
     envoy.ack(eds, names=("models",))  # the warming cluster subscribes, CDS not yet ACKed
-    endpoints = await envoy.recv()
-    assert (endpoints.type_url, endpoints.version_info) == (ENDPOINT_TYPE, "2.1")
+    endpoints = await expect(envoy, ENDPOINT_TYPE, "2.1")
     envoy.ack(cds)
     envoy.ack(endpoints, names=("models",))
     assert await envoy.silent()
@@ -279,14 +282,11 @@ async def test_a_cluster_sent_after_its_endpoints_gets_them_again_when_it_asks(
     cache.set_snapshot(ALL_NODES, snap(3, B))
     assert await envoy.silent()  # the clusters of 3 wait for the ACK of 2
     envoy.ack(eds2, names=("models",))
-    eds3 = await envoy.recv()
-    assert (eds3.type_url, eds3.version_info) == (ENDPOINT_TYPE, "3.1")
+    eds3 = await expect(envoy, ENDPOINT_TYPE, "3.1")
     envoy.ack(cds2)
-    cds3 = await envoy.recv()
-    assert (cds3.type_url, cds3.version_info) == (CLUSTER_TYPE, "3.1")
+    cds3 = await expect(envoy, CLUSTER_TYPE, "3.1")
     envoy.ack(eds3, names=("models",))  # the warming cluster of 3 subscribes
-    again = await envoy.recv()
-    assert (again.type_url, again.version_info) == (ENDPOINT_TYPE, "3.1")
+    again = await expect(envoy, ENDPOINT_TYPE, "3.1")
     envoy.ack(cds3)
     envoy.ack(again, names=("models",))
     assert await envoy.silent()
@@ -313,8 +313,7 @@ async def test_a_nack_is_recorded_with_envoys_error_and_the_version_not_resent(
     assert status.nacked["cds"]["version"] == "2.1"
     assert status.nacked["cds"]["error"] == "bad cluster: boom"
     cache.set_snapshot(ALL_NODES, snap(3, A))
-    fixed = await envoy.recv()
-    assert (fixed.type_url, fixed.version_info) == (CLUSTER_TYPE, "3.1")
+    fixed = await expect(envoy, CLUSTER_TYPE, "3.1")
     envoy.ack(fixed)
     await envoy.recv()
     await asyncio.sleep(0.05)
