@@ -14,7 +14,10 @@ messages per stream (as ext_proc answers request headers, body, response headers
 Its client (this process) runs 16 streams at a time over one channel. Loopback only,
 bounded in rounds; every process started is stopped.
 
-    python bench/ext_proc_memory.py envoy [--rounds 24 --seconds 30]
+    python bench/ext_proc_memory.py envoy [--rounds 24 --seconds 30] [--preload LIB]
+
+``--preload /usr/lib/x86_64-linux-gnu/libjemalloc.so.2`` runs ext_proc (only) on another
+allocator, to tell an allocator's fragmentation from a leak.
     python bench/ext_proc_memory.py grpc [--variants sleep,return,clean --streams 25000]
 """
 
@@ -107,7 +110,7 @@ def measure(variant: str, streams: int, rounds: int) -> list[str]:
         server.wait()
 
 
-def through_envoy(rounds: int, seconds: int) -> None:
+def through_envoy(rounds: int, seconds: int, preload: str | None = None) -> None:
     started: list[ManagedProcess] = []
     logs = Path(tempfile.mkdtemp(prefix="bench-memory-"))
     try:
@@ -116,7 +119,8 @@ def through_envoy(rounds: int, seconds: int) -> None:
                                     [str(p) for p in ports], logs, ready_ports=ports))
         ep_port = free_port()
         ext_proc = start_ext_proc(
-            ep_port, logs, args=[a for p in ports for a in ("--backend", f"127.0.0.1:{p}")]
+            ep_port, logs, args=[a for p in ports for a in ("--backend", f"127.0.0.1:{p}")],
+            env={"LD_PRELOAD": preload} if preload else None,
         )
         started.append(ext_proc)
         params = BootstrapParams(listen_port=free_port(), admin_port=free_port(),
@@ -147,13 +151,14 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=30, help="envoy: seconds per round")
     parser.add_argument("--variants", default="sleep,return,clean", help="grpc: stream ends")
     parser.add_argument("--streams", type=int, default=25_000, help="grpc: streams per round")
+    parser.add_argument("--preload", help="envoy: LD_PRELOAD for ext_proc (an allocator)")
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         asyncio.run(serve(args.serve, args.port))
     elif args.part == "envoy":
-        through_envoy(args.rounds or 24, args.seconds)
+        through_envoy(args.rounds or 24, args.seconds, args.preload)
     else:
         print("| stream end | streams after warm-up | server RSS growth MB | bytes per stream "
               "| s |")

@@ -68,6 +68,14 @@ class PrometheusCallbacks(RouterCallbacks):
             "ext_proc gRPC streams open right now (one per request in flight through Envoy).",
             registry=self.registry,
         )
+        self.stream_ends = Counter(
+            "prefix_router_ext_proc_stream_ends",
+            "ext_proc streams ended, by how: closed (Envoy's graceful close, the normal end) "
+            "or reset (a client abort, or an Envoy without graceful close: see the bootstrap).",
+            ["how"],
+            registry=self.registry,
+        )
+        self._closed, self._reset = (self.stream_ends.labels(h) for h in ("closed", "reset"))
         self.asyncio_tasks = Gauge(
             "prefix_router_ext_proc_asyncio_tasks",
             "asyncio tasks alive in this process (a leak shows as growth at rest).",
@@ -104,3 +112,6 @@ class PrometheusCallbacks(RouterCallbacks):
 
     def on_error(self, error: BaseException) -> None:
         self.decisions.labels("error").inc()
+
+    def on_stream_end(self, reset: bool) -> None:
+        (self._reset if reset else self._closed).inc()

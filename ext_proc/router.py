@@ -52,6 +52,9 @@ class RouterCallbacks:
     def on_error(self, error: BaseException) -> None:
         """Routing failed with an unexpected error; the request went on unrouted."""
 
+    def on_stream_end(self, reset: bool) -> None:
+        """An ext_proc stream ended: closed by Envoy's half-close, or ``reset``."""
+
 
 @dataclass(slots=True)
 class RouteResult:

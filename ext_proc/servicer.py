@@ -12,11 +12,13 @@ one gRPC stream carries one HTTP request:
 3. response headers -> continue. Asking for them keeps the stream open until
    the response completes, so the stream's end (normal or a client abort) is
    the request's end: that is when its in-flight count is given back.
-   Nothing more is asked for, so the handler then waits for that end without
-   reading: Envoy ends every stream with a reset, and a read in flight when it
-   arrives fails, which makes grpcio (1.85, grpc/grpc#43360) leak the batch's
-   native op array (~100 bytes per request: the soak benchmark saw RSS grow by
-   4 MB a minute). The reset cancels the wait; nothing is sent after it.
+   The handler then reads on until Envoy ends the stream. Our bootstrap turns on
+   Envoy's graceful close (``envoy.reloadable_features.ext_proc_graceful_grpc_close``):
+   Envoy half-closes the stream, the read returns end-of-stream, the handler
+   returns and grpcio sends the status. Without it Envoy resets every stream, the
+   read in flight fails, and grpcio (1.85, grpc/grpc#43360) leaks the failed
+   batch's native memory: ~100 bytes a request on a busy process, and the
+   cancellation path costs CPU too (see docs/reliability.md).
 
 Responses that carry no mutation are prebuilt constants: the hot path
 allocates only the one body response.
@@ -24,7 +26,6 @@ allocates only the one body response.
 
 from __future__ import annotations
 
-import asyncio
 import logging
 from collections.abc import AsyncIterator
 from typing import Any
@@ -70,12 +71,9 @@ def _header(value: Any) -> str:
 
 
 class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
-    def __init__(self, router: RequestRouter, *, linger_s: float = 3600.0) -> None:
+    def __init__(self, router: RequestRouter) -> None:
         self.router = router
         self.open_streams = 0
-        self.linger_s = linger_s
-        """How long a stream waits, after the response headers, for Envoy to end it
-        before reading again (longer than any request; Envoy's reset ends the wait)."""
 
     async def Process(  # noqa: N802 - the gRPC method name
         self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
@@ -87,6 +85,7 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
         request_id = ""
         result: RouteResult | None = None
         self.open_streams += 1
+        reset = True  # unless the loop below ends: a cancellation is Envoy's reset
         try:
             async for message in request_iterator:
                 kind = message.WhichOneof("request")
@@ -128,13 +127,14 @@ class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc
                         else _CONTINUE_REQUEST_BODY
                     )
                 elif kind == "response_headers":
-                    yield _CONTINUE_RESPONSE_HEADERS
-                    await asyncio.sleep(self.linger_s)  # until Envoy's reset cancels it
+                    yield _CONTINUE_RESPONSE_HEADERS  # then read on: Envoy's close ends the loop
                 elif kind == "response_body":
                     yield _CONTINUE_RESPONSE_BODY
                 else:
                     log.debug("ignoring ext_proc message %s", kind)
+            reset = False
         finally:
             self.open_streams -= 1
             if result is not None:
                 router.finish(result)
+            router.callbacks.on_stream_end(reset)

@@ -42,5 +42,17 @@ def test_decisions_fallbacks_and_streams_are_counted(procs: ProcessReaper, log_d
     assert got[("prefix_router_ext_proc_key_fallbacks_total", (("reason", "invalid_json"),))] == 3
     assert got[("prefix_router_ext_proc_decision_seconds_count", ())] == 10
     assert got[("prefix_router_ext_proc_open_streams", ())] == 0
+    assert got[("prefix_router_ext_proc_stream_ends_total", (("how", "closed"),))] == 10
+    assert got[("prefix_router_ext_proc_stream_ends_total", (("how", "reset"),))] == 0
+    # Envoy closes every stream gracefully (our bootstrap's runtime flag) and resets none,
+    # so no read fails and grpcio leaks nothing (see ext_proc/servicer.py). Without the
+    # flag each stream ends with a reset, though the handler may see its half-close first.
+    envoy = httpx.get(
+        f"http://127.0.0.1:{stack.admin_port}/stats?filter=^cluster.ext_proc.upstream_rq_",
+        timeout=5,
+    ).text
+    stats = dict(line.split(": ", 1) for line in envoy.splitlines() if ": " in line)
+    assert stats["cluster.ext_proc.upstream_rq_completed"] == "10"
+    assert stats["cluster.ext_proc.upstream_rq_tx_reset"] == "0"
     in_flight = [v for (name, _), v in got.items() if name == "prefix_router_ext_proc_in_flight"]
     assert in_flight and set(in_flight) == {0}

@@ -118,7 +118,7 @@ ROUTER = RequestRouter(
 
 
 async def run_handler(body: bytes, path: str, tenant: str) -> list[Any]:
-    servicer = ExternalProcessor(ROUTER, linger_s=0)  # the fake client half-closes
+    servicer = ExternalProcessor(ROUTER)  # the fake client half-closes, as Envoy does
     return [r async for r in servicer.Process(messages(body, path, tenant), None)]
 
 
@@ -137,37 +137,38 @@ def test_the_handler_answers_every_message_and_releases_its_count(
     assert asyncio.run(ROUTER.store.in_flight()) == {}
 
 
-async def test_after_the_response_headers_the_handler_waits_for_the_reset_without_reading() -> None:
-    """A read in flight when Envoy resets the stream leaks native memory in grpcio
-    (grpc/grpc#43360), so nothing is read after the last message asked for; the reset
-    (a cancellation) ends the stream and gives the count back."""
-    reads = 0
+async def test_the_count_is_held_until_envoy_ends_the_stream_by_half_close_or_by_reset() -> None:
+    """After the response headers the handler reads on: the request is in flight until
+    Envoy ends the stream, by a half-close (graceful close, our bootstrap) or a reset
+    (a cancellation: a client abort on an Envoy without it). Either gives the count back."""
+    for end in ("half-close", "reset"):
+        close = asyncio.Event()
 
-    async def counted() -> AsyncIterator[pb.ProcessingRequest]:
-        nonlocal reads
-        async for message in messages(b'{"model": "m", "prompt": "hi"}', "/v1/completions", ""):
-            reads += 1
-            yield message
-        reads += 1  # asked for a fourth message: end of stream
-        await asyncio.Event().wait()
+        async def envoy() -> AsyncIterator[pb.ProcessingRequest]:
+            async for message in messages(b'{"model": "m", "prompt": "hi"}', "/v1/completions", ""):
+                yield message
+            await close.wait()  # the response streams
 
-    store = InMemoryLoadStore()
-    router = RequestRouter(ROUTER.table, store)
-    servicer = ExternalProcessor(router)
-    answered: list[Any] = []
+        store = InMemoryLoadStore()
+        servicer = ExternalProcessor(RequestRouter(ROUTER.table, store))
+        answered: list[Any] = []
 
-    async def run() -> None:
-        async for response in servicer.Process(counted(), None):
-            answered.append(response)
+        async def run() -> None:
+            async for response in servicer.Process(envoy(), None):
+                answered.append(response)
 
-    stream = asyncio.create_task(run())
-    for _ in range(200):
-        if len(answered) == 3:
-            break
-        await asyncio.sleep(0.005)
-    await asyncio.sleep(0.05)
-    assert len(answered) == 3 and reads == 3, "no read after the response headers"
-    assert sum((await store.in_flight()).values()) == 1 and servicer.open_streams == 1
-    stream.cancel()  # Envoy's reset
-    await asyncio.gather(stream, return_exceptions=True)
-    assert sum((await store.in_flight()).values()) == 0 and servicer.open_streams == 0
+        stream = asyncio.create_task(run())
+        for _ in range(200):
+            if len(answered) == 3:
+                break
+            await asyncio.sleep(0.005)
+        await asyncio.sleep(0.05)
+        assert len(answered) == 3 and not stream.done(), end
+        assert sum((await store.in_flight()).values()) == 1 and servicer.open_streams == 1
+        if end == "half-close":
+            close.set()
+            await asyncio.wait_for(stream, 1.0)
+        else:
+            stream.cancel()
+            await asyncio.gather(stream, return_exceptions=True)
+        assert sum((await store.in_flight()).values()) == 0 and servicer.open_streams == 0, end
