@@ -6,10 +6,11 @@ driven by wrk (16 connections, 1 KB chat bodies) in rounds; ext_proc's RSS after
 ``grpc``: a bare grpc.aio server with one generic stream-stream method that answers three
 messages per stream (as ext_proc answers request headers, body, response headers), then
 
-* ``sleep``: waits until the client cancels (what ext_proc does: Envoy ends every stream
-  with a reset);
+* ``sleep``: waits until the client cancels (what ext_proc did while Envoy reset every
+  stream);
 * ``return``: ends the stream itself, while the client cancels;
-* ``clean``: ends the stream itself; the client half-closes and reads the status.
+* ``clean``: ends the stream itself; the client half-closes and reads the status (near
+  ext_proc's shape now: Envoy half-closes first, then ext_proc ends the stream).
 
 Its client (this process) runs 16 streams at a time over one channel. Loopback only,
 bounded in rounds; every process started is stopped.

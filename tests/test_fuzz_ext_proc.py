@@ -13,6 +13,7 @@ import time
 from collections.abc import AsyncIterator
 from typing import Any
 
+import pytest
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from hypothesis import HealthCheck, given, settings
@@ -137,38 +138,38 @@ def test_the_handler_answers_every_message_and_releases_its_count(
     assert asyncio.run(ROUTER.store.in_flight()) == {}
 
 
-async def test_the_count_is_held_until_envoy_ends_the_stream_by_half_close_or_by_reset() -> None:
+@pytest.mark.parametrize("end", ["half-close", "reset"])
+async def test_the_count_is_held_until_envoy_ends_the_stream(end: str) -> None:
     """After the response headers the handler reads on: the request is in flight until
     Envoy ends the stream, by a half-close (graceful close, our bootstrap) or a reset
     (a cancellation: a client abort on an Envoy without it). Either gives the count back."""
-    for end in ("half-close", "reset"):
-        close = asyncio.Event()
+    close = asyncio.Event()
 
-        async def envoy() -> AsyncIterator[pb.ProcessingRequest]:
-            async for message in messages(b'{"model": "m", "prompt": "hi"}', "/v1/completions", ""):
-                yield message
-            await close.wait()  # the response streams
+    async def envoy() -> AsyncIterator[pb.ProcessingRequest]:
+        async for message in messages(b'{"model": "m", "prompt": "hi"}', "/v1/completions", ""):
+            yield message
+        await close.wait()  # the response streams
 
-        store = InMemoryLoadStore()
-        servicer = ExternalProcessor(RequestRouter(ROUTER.table, store))
-        answered: list[Any] = []
+    store = InMemoryLoadStore()
+    servicer = ExternalProcessor(RequestRouter(ROUTER.table, store))
+    answered: list[Any] = []
 
-        async def run() -> None:
-            async for response in servicer.Process(envoy(), None):
-                answered.append(response)
+    async def run() -> None:
+        async for response in servicer.Process(envoy(), None):
+            answered.append(response)
 
-        stream = asyncio.create_task(run())
-        for _ in range(200):
-            if len(answered) == 3:
-                break
-            await asyncio.sleep(0.005)
-        await asyncio.sleep(0.05)
-        assert len(answered) == 3 and not stream.done(), end
-        assert sum((await store.in_flight()).values()) == 1 and servicer.open_streams == 1
-        if end == "half-close":
-            close.set()
-            await asyncio.wait_for(stream, 1.0)
-        else:
-            stream.cancel()
-            await asyncio.gather(stream, return_exceptions=True)
-        assert sum((await store.in_flight()).values()) == 0 and servicer.open_streams == 0, end
+    stream = asyncio.create_task(run())
+    for _ in range(200):
+        if len(answered) == 3:
+            break
+        await asyncio.sleep(0.005)
+    await asyncio.sleep(0.05)
+    assert len(answered) == 3 and not stream.done()
+    assert sum((await store.in_flight()).values()) == 1 and servicer.open_streams == 1
+    if end == "half-close":
+        close.set()
+        await asyncio.wait_for(stream, 1.0)
+    else:
+        stream.cancel()
+        await asyncio.gather(stream, return_exceptions=True)
+    assert sum((await store.in_flight()).values()) == 0 and servicer.open_streams == 0
