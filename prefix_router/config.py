@@ -23,6 +23,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from prefix_router.errors import ConfigError
 
 MIB = 1024 * 1024
+DEFAULT_OPENAI_MAX_PARSE_BYTES = 4 * MIB
 
 
 class PrefixMode(StrEnum):
@@ -149,6 +150,13 @@ class RouterConfig(_Frozen):
         1024, ge=1, le=MIB, description="PrefixLength: bytes of the (rendered) prompt keyed on."
     )
     prefix_mode: PrefixMode = PrefixMode.OPENAI
+    openai_max_parse_bytes: int = Field(
+        DEFAULT_OPENAI_MAX_PARSE_BYTES,
+        ge=64 * 1024,
+        le=64 * MIB,
+        description="openai mode: larger bodies are keyed on their raw bytes, unparsed "
+        "(parsing is the one cost that grows with the whole body).",
+    )
     tenant_header: str | None = Field(
         "x-tenant-id", description="Header whose value scopes the key; null disables tenancy."
     )

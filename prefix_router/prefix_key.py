@@ -16,7 +16,10 @@ Two modes (``RouterConfig.prefix_mode``):
 
 Anything ``openai`` cannot render (another path, no body, invalid JSON or
 UTF-8, a body cut at Envoy's buffer limit, unexpected types) falls back to
-``bytes`` with a :class:`Fallback` reason that is counted, never raised.
+``bytes`` with a :class:`Fallback` reason that is counted, never raised. So does
+a body larger than ``RouterConfig.openai_max_parse_bytes``: parsing JSON is the one cost that
+grows with the whole body (a 10 MB body of many small messages takes ~70 ms to
+parse), and ext_proc's event loop must not stall on one request.
 
 Tenant scoping: the tenant header's value and the request's ``cache_salt`` are
 mixed into the key, so two tenants never share a key (and so never an
@@ -24,7 +27,9 @@ instance's cache, which would leak timing across tenants).
 
 The key is ``xxh3_128(tenant, salt, prefix)`` in hex: 32 ASCII characters that
 Envoy's ring hashes with xxh64. Cost: one orjson parse plus one pass over at
-most PrefixLength bytes of rendering (~20 us for a 64 KB chat body).
+most PrefixLength bytes of rendering (~20 us for a 64 KB chat body). Rendering
+stops at PrefixLength: a 12 MB base64 image in the first message costs what its
+first PrefixLength characters cost, not a copy of the image.
 """
 
 from __future__ import annotations
@@ -37,7 +42,7 @@ from typing import Any
 import orjson
 import xxhash
 
-from prefix_router.config import PrefixMode
+from prefix_router.config import DEFAULT_OPENAI_MAX_PARSE_BYTES, PrefixMode
 
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
@@ -54,6 +59,7 @@ class Fallback(StrEnum):
     INVALID_JSON = "invalid_json"
     NOT_AN_OBJECT = "not_an_object"
     UNEXPECTED_SHAPE = "unexpected_shape"
+    TOO_LARGE = "too_large"
 
 
 @dataclass(frozen=True, slots=True)
@@ -62,6 +68,8 @@ class KeySettings:
 
     prefix_length: int
     mode: PrefixMode
+    max_parse_bytes: int = DEFAULT_OPENAI_MAX_PARSE_BYTES
+    """``openai`` mode keys larger bodies on their raw bytes rather than parse them."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -93,7 +101,9 @@ def extract_key(
     limit = settings.prefix_length
     if settings.mode is PrefixMode.OPENAI:
         try:
-            salt, prefix = _render_openai(body, path=path, complete=complete, limit=limit)
+            salt, prefix = _render_openai(
+                body, path=path, complete=complete, limit=limit, max_parse=settings.max_parse_bytes
+            )
         except _Unrenderable as why:
             return PrefixKey(_digest(tenant, "", body[:limit]), why.reason)
         return PrefixKey(_digest(tenant, salt, prefix))
@@ -112,7 +122,9 @@ def _path_only(path: str) -> str:
     return path.split("?", 1)[0]
 
 
-def _render_openai(body: bytes, *, path: str, complete: bool, limit: int) -> tuple[str, bytes]:
+def _render_openai(
+    body: bytes, *, path: str, complete: bool, limit: int, max_parse: int
+) -> tuple[str, bytes]:
     """``(cache_salt, first limit bytes of the canonical rendering)`` or :class:`_Unrenderable`.
 
     Parts are rendered lazily and only until ``limit`` bytes exist: what lies past
@@ -125,6 +137,8 @@ def _render_openai(body: bytes, *, path: str, complete: bool, limit: int) -> tup
         raise _Unrenderable(Fallback.NO_BODY)
     if not complete:
         raise _Unrenderable(Fallback.TRUNCATED)
+    if len(body) > max_parse:
+        raise _Unrenderable(Fallback.TOO_LARGE)
     try:
         request = orjson.loads(body)
     except (orjson.JSONDecodeError, RecursionError):
@@ -135,7 +149,7 @@ def _render_openai(body: bytes, *, path: str, complete: bool, limit: int) -> tup
         salt = request.get("cache_salt") or ""
         if not isinstance(salt, str):
             raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
-        return salt, _first_bytes(_render_parts(request, route), limit)
+        return salt, _first_bytes(_render_parts(request, route, limit), limit)
     except _Unrenderable:
         raise
     except (
@@ -149,16 +163,18 @@ def _render_openai(body: bytes, *, path: str, complete: bool, limit: int) -> tup
         raise _Unrenderable(Fallback.UNEXPECTED_SHAPE) from None
 
 
-def _render_parts(request: dict[str, Any], route: str) -> Iterator[str]:
+def _render_parts(request: dict[str, Any], route: str, limit: int) -> Iterator[str]:
+    """The rendering's parts in prompt order. Each part is cut at ``limit`` characters
+    at most (all the key can use of it), so no part costs more than the prefix does."""
     yield _text(request.get("model", ""))
     yield _canonical_json(request.get("tools"))
     if route == "/v1/chat/completions":
-        yield from _render_messages(request.get("messages"))
+        yield from _render_messages(request.get("messages"), limit)
     elif route == "/v1/completions":
         yield _render_prompt(request.get("prompt"))
     else:
         yield _text(request.get("instructions") or "")
-        yield from _render_responses_input(request.get("input"))
+        yield from _render_responses_input(request.get("input"), limit)
 
 
 def _first_bytes(parts: Iterator[str], limit: int) -> bytes:
@@ -190,41 +206,68 @@ def _canonical_json(value: Any) -> str:
     return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
 
 
-def _render_messages(messages: Any) -> Iterator[str]:
+def _cut_strings(value: Any, limit: int) -> Any:
+    """``value`` with every string cut to ``limit`` characters.
+
+    Its canonical JSON then agrees with the uncut value's for at least the first
+    ``limit`` bytes (a cut string still renders to >= ``limit`` bytes), which is all
+    the key reads, while a 12 MB base64 image is never copied or escaped.
+    """
+    if isinstance(value, str):
+        return value[:limit]
+    if isinstance(value, dict):
+        return {k: _cut_strings(v, limit) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cut_strings(v, limit) for v in value]
+    return value
+
+
+def _render_messages(messages: Any, limit: int) -> Iterator[str]:
     if not isinstance(messages, list) or not messages:
         raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
     for message in messages:
         if not isinstance(message, dict):
             raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
-        rendered = _text(message.get("role", "")) + _FIELD + _render_content(message.get("content"))
+        role = _text(message.get("role", ""))
+        rendered = role + _FIELD + _render_content(message.get("content"), limit)
         for extra in ("name", "tool_call_id"):
             if extra in message:
                 rendered += _FIELD + _text(message[extra])
         if message.get("tool_calls"):
-            rendered += _FIELD + _canonical_json(message["tool_calls"])
+            rendered += _FIELD + _canonical_json(_cut_strings(message["tool_calls"], limit))
         yield rendered
 
 
-def _render_content(content: Any) -> str:
-    """A message's content as a chat template renders it: text parts joined in order."""
+def _render_content(content: Any, limit: int) -> str:
+    """A message's content as a chat template renders it: text parts joined in order.
+
+    Only the first ``limit`` characters are rendered, which is all the key reads of
+    it (a character is at least a byte); a media part (image, audio, file) renders
+    as its canonical JSON with strings cut at ``limit``.
+    """
     if content is None:
         return ""
     if isinstance(content, str):
-        return content
+        return content[:limit]
     if not isinstance(content, list):
         raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
     pieces = []
+    length = 0
     for part in content:
+        if length >= limit:
+            break
         if isinstance(part, str):
-            pieces.append(part)
+            piece = part
         elif isinstance(part, dict):
             kind = part.get("type", "text")
             if kind in ("text", "input_text", "output_text"):
-                pieces.append(_text(part.get("text", "")))
+                piece = _text(part.get("text", ""))
             else:
-                pieces.append(_canonical_json(part))
+                piece = _canonical_json(_cut_strings(part, limit))
         else:
             raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
+        pieces.append(piece[:limit])
+        length += len(piece) + 1
     return "\n".join(pieces)
 
 
@@ -241,10 +284,11 @@ def _render_prompt(prompt: Any) -> str:
     raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
 
 
-def _render_responses_input(items: Any) -> Iterator[str]:
+def _render_responses_input(items: Any, limit: int) -> Iterator[str]:
     if isinstance(items, str):
         yield "user" + _FIELD + items
     elif isinstance(items, list) and items:
-        yield from _render_messages([i for i in items if isinstance(i, dict) and "role" in i])
+        messages = [i for i in items if isinstance(i, dict) and "role" in i]
+        yield from _render_messages(messages, limit)
     else:
         raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)

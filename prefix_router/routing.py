@@ -69,7 +69,11 @@ class RoutingTable:
             ids=tuple(h.id for h in hosts),
             tokens=ring.steering_tokens(),
             tags=tuple(identity_tag(h.ring_key) for h in hosts),
-            key_settings=KeySettings(prefix_length=config.prefix_length, mode=config.prefix_mode),
+            key_settings=KeySettings(
+                prefix_length=config.prefix_length,
+                mode=config.prefix_mode,
+                max_parse_bytes=config.openai_max_parse_bytes,
+            ),
             spill=SpillRule.from_config(config),
             placement=PlacementRule.from_config(config),
         )

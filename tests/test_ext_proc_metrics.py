@@ -9,6 +9,7 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefix_router.config import MIB
 from prefix_router.procs import free_port
 from tests.conftest import ProcessReaper
 from tests.support.static_stack import start_static_stack
@@ -36,13 +37,17 @@ def test_decisions_fallbacks_and_streams_are_counted(procs: ProcessReaper, log_d
             assert client.post(f"{stack.url}/v1/chat/completions", content=chat).status_code == 200
         for _ in range(3):
             assert client.post(f"{stack.url}/v1/chat/completions", content=b"{not json").is_success
+        huge = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 5 * MIB}]})
+        assert client.post(f"{stack.url}/v1/chat/completions", content=huge).status_code == 200
     got = samples(f"http://127.0.0.1:{metrics_port}/metrics")
-    assert got[("prefix_router_ext_proc_decisions_total", (("outcome", "home"),))] == 10
+    assert got[("prefix_router_ext_proc_decisions_total", (("outcome", "home"),))] == 11
     assert got[("prefix_router_ext_proc_decisions_total", (("outcome", "spilled"),))] == 0
     assert got[("prefix_router_ext_proc_key_fallbacks_total", (("reason", "invalid_json"),))] == 3
-    assert got[("prefix_router_ext_proc_decision_seconds_count", ())] == 10
+    # Above openai_max_parse_bytes (4 MiB) the body is keyed on its bytes, unparsed.
+    assert got[("prefix_router_ext_proc_key_fallbacks_total", (("reason", "too_large"),))] == 1
+    assert got[("prefix_router_ext_proc_decision_seconds_count", ())] == 11
     assert got[("prefix_router_ext_proc_open_streams", ())] == 0
-    assert got[("prefix_router_ext_proc_stream_ends_total", (("how", "closed"),))] == 10
+    assert got[("prefix_router_ext_proc_stream_ends_total", (("how", "closed"),))] == 11
     assert got[("prefix_router_ext_proc_stream_ends_total", (("how", "reset"),))] == 0
     # Envoy closes every stream gracefully (our bootstrap's runtime flag) and resets none,
     # so no read fails and grpcio leaks nothing (see ext_proc/servicer.py). Without the
@@ -52,7 +57,7 @@ def test_decisions_fallbacks_and_streams_are_counted(procs: ProcessReaper, log_d
         timeout=5,
     ).text
     stats = dict(line.split(": ", 1) for line in envoy.splitlines() if ": " in line)
-    assert stats["cluster.ext_proc.upstream_rq_completed"] == "10"
+    assert stats["cluster.ext_proc.upstream_rq_completed"] == "11"
     assert stats["cluster.ext_proc.upstream_rq_tx_reset"] == "0"
     in_flight = [v for (name, _), v in got.items() if name == "prefix_router_ext_proc_in_flight"]
     assert in_flight and set(in_flight) == {0}

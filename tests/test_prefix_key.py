@@ -139,3 +139,54 @@ def test_bytes_mode_keys_on_the_first_prefix_length_bytes() -> None:
 def test_the_key_is_a_short_ascii_header_value() -> None:
     value = key(json.dumps({"model": "m", "messages": MESSAGES}))
     assert len(value) == 32 and all(c in "0123456789abcdef" for c in value)
+
+
+def _image_request(data: str, *, question: str = "What is this?") -> str:
+    image = {"type": "image_url", "image_url": {"url": "data:image/png;base64," + data}}
+    content = [{"type": "text", "text": question}, image]
+    return json.dumps({"model": "m", "messages": [{"role": "user", "content": content}]})
+
+
+def test_a_media_part_is_keyed_on_its_prefix_only() -> None:
+    head = "iVBORw0KGgo" * 100  # past PrefixLength (1024)
+    assert key(_image_request(head + "A" * 200_000)) == key(_image_request(head + "B" * 300_000))
+    assert key(_image_request("A" + head)) != key(_image_request("B" + head))
+    assert key(_image_request(head)) != key(
+        _image_request(head, question="What is that?")
+    )
+
+
+def test_parts_past_the_prefix_are_not_rendered_but_the_prefix_is_unchanged() -> None:
+    short = KeySettings(prefix_length=64, mode=PrefixMode.OPENAI)
+
+    def parts(*texts: str) -> str:
+        content = [{"type": "text", "text": t} for t in texts]
+        return json.dumps({"model": "m", "messages": [{"role": "user", "content": content}]})
+
+    assert key(parts("a" * 64, "b"), settings=short) == key(parts("a" * 64, "c"), settings=short)
+    assert key(parts("a" * 10, "b"), settings=short) != key(parts("a" * 10, "c"), settings=short)
+    assert key(parts("a" * 10, "b"), settings=short) == key(
+        json.dumps({"model": "m", "messages": [{"role": "user", "content": "a" * 10 + "\nb"}]}),
+        settings=short,
+    )
+
+
+def test_long_tool_call_arguments_are_keyed_on_their_prefix() -> None:
+    def call(arguments: str) -> str:
+        function = {"name": "f", "arguments": arguments}
+        tool_call = {"id": "c1", "type": "function", "function": function}
+        message = {"role": "assistant", "content": None, "tool_calls": [tool_call]}
+        return json.dumps({"model": "m", "messages": [message]})
+
+    assert key(call("x" * 5000 + "1")) == key(call("x" * 5000 + "2"))
+    assert key(call("1" + "x" * 5000)) != key(call("2" + "x" * 5000))
+
+
+def test_a_body_above_the_parse_limit_is_keyed_on_its_bytes_unparsed() -> None:
+    capped = KeySettings(prefix_length=1024, mode=PrefixMode.OPENAI, max_parse_bytes=64 * 1024)
+    small = _image_request("A" * 1000).encode()
+    large = _image_request("A" * 70_000).encode()
+    assert extract_key(small, settings=capped).fallback is None
+    result = extract_key(large, settings=capped)
+    assert result.fallback is Fallback.TOO_LARGE
+    assert result.value == extract_key(large, settings=KeySettings(1024, PrefixMode.BYTES)).value
