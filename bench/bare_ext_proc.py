@@ -1,7 +1,7 @@
 """A bare Python ext_proc: it answers every message with "continue" and decides nothing.
 
 The yardstick for ``data_plane_latency.py``: grpc.aio and the xds-protos messages, the
-same three messages per request as prefix-router's ext_proc, none of its work (no key,
+same two messages per request as prefix-router's ext_proc, none of its work (no key,
 no ring, no counts, no header). What prefix-router adds on top of it is what its own
 logic costs; what it adds on top of Envoy alone is what a Python ext_proc costs at all.
 

@@ -1,18 +1,22 @@
 """Envoy External Processing (ext_proc) servicer: the gRPC shell around the router.
 
 Envoy runs the ext_proc filter with ``request_header_mode: SEND``,
-``request_body_mode: BUFFERED`` and ``response_header_mode: SEND``;
-one gRPC stream carries one HTTP request:
+``request_body_mode: BUFFERED`` and nothing else; one gRPC stream carries one
+HTTP request, in two messages:
 
 1. request headers -> remember ``:path`` and the tenant header; continue.
    (A header set here would be dropped by Envoy 1.40 in the body phase unless
    headers are SENT, which is why they are.)
 2. request body (the whole body, up to the 64 MiB limit) -> route it and set
    ``x-prefix-key`` as a header mutation.
-3. response headers -> continue. Asking for them keeps the stream open until
-   the response completes, so the stream's end (normal or a client abort) is
-   the request's end: that is when its in-flight count is given back.
-   The handler then reads on until Envoy ends the stream. Our bootstrap turns on
+
+Envoy keeps the stream open until the HTTP request ends (a streamed response's
+last byte, or a client abort), so the stream's end is the request's end: that
+is when its in-flight count is given back (tests/test_in_flight_lifetime.py
+checks it through a real Envoy; an Envoy configured to send response headers
+too is answered the same way). Asking for the response headers as well would
+cost a third message a request and hold the stream no longer.
+The handler reads on until Envoy ends the stream. Our bootstrap turns on
    Envoy's graceful close (``envoy.reloadable_features.ext_proc_graceful_grpc_close``):
    Envoy half-closes the stream, the read returns end-of-stream, the handler
    returns and grpcio sends the status. Without it Envoy resets every stream, the
