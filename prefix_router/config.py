@@ -120,7 +120,8 @@ class OutlierDetectionConfig(_Frozen):
 
 
 class CircuitBreakerConfig(_Frozen):
-    """Envoy circuit-breaker limits for the model-serving cluster."""
+    """Envoy circuit-breaker limits for the model-serving cluster, and for the ext_proc
+    cluster, where every request in flight holds one stream."""
 
     max_connections: int = Field(100_000, ge=1)
     max_pending_requests: int = Field(100_000, ge=1)

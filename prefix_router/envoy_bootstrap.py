@@ -19,7 +19,7 @@ from typing import Any
 
 from prefix_router.addresses import is_ip_literal, names_in, resolve_now
 from prefix_router.config import RouterConfig
-from prefix_router.envoy_cluster import MODEL_CLUSTER, model_cluster
+from prefix_router.envoy_cluster import MODEL_CLUSTER, circuit_breakers, model_cluster
 from prefix_router.fleet import Fleet
 
 XDS_CLUSTER = "xds"
@@ -144,7 +144,9 @@ def render_bootstrap(
     params: BootstrapParams, config: RouterConfig, fleet: Fleet | None = None
 ) -> str:
     """The bootstrap YAML. ``fleet`` is required for a static fleet, ignored with xDS."""
-    clusters = [_static_cluster(EXT_PROC_CLUSTER, params.ext_proc, http2=True)]
+    ext_proc = _static_cluster(EXT_PROC_CLUSTER, params.ext_proc, http2=True)
+    ext_proc["circuit_breakers"] = circuit_breakers(config)
+    clusters = [ext_proc]
     dynamic = ""
     if params.xds is not None:
         clusters.append(_static_cluster(XDS_CLUSTER, (params.xds,), http2=True))

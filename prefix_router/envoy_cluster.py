@@ -17,6 +17,10 @@ from prefix_router.fleet import Fleet, Instance, InstanceState
 from prefix_router.ring import ring_size_for
 
 MODEL_CLUSTER = "models"
+PANIC_ONLY_WHEN_NONE_HEALTHY = 1.0
+"""Envoy's healthy_panic_threshold, in percent: below it Envoy ignores health. Envoy
+rounds it to a whole percent, so 1 is the least that works; in a fleet of under 100
+instances one healthy instance is above it."""
 _HTTP_OPTIONS = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
 
 
@@ -25,6 +29,27 @@ def _duration(ms: int) -> str:
 
 
 _NO_ADDRESSES: Mapping[str, str] = {}
+
+
+def circuit_breakers(config: RouterConfig) -> dict[str, Any]:
+    """Envoy circuit-breaker thresholds from the config.
+
+    The model cluster uses them, and so does the ext_proc cluster: every request in
+    flight holds one ext_proc stream until it ends, so ext_proc must admit as many
+    concurrent streams as the model cluster admits requests. Envoy's default (1,024)
+    would send the 1,025th concurrent request on unrouted (``failure_mode_allow``).
+    """
+    cb = config.circuit_breakers
+    return {
+        "thresholds": [
+            {
+                "max_connections": cb.max_connections,
+                "max_pending_requests": cb.max_pending_requests,
+                "max_requests": cb.max_requests,
+                "max_retries": cb.max_retries,
+            }
+        ]
+    }
 
 
 def model_cluster(
@@ -44,7 +69,6 @@ def model_cluster(
     fleet = publishable(fleet, addresses)
     hc = config.health_check
     od = config.outlier_detection
-    cb = config.circuit_breakers
     cluster: dict[str, Any] = {
         "name": MODEL_CLUSTER,
         "connect_timeout": "1s",
@@ -62,8 +86,12 @@ def model_cluster(
             }
         },
         "common_lb_config": {
-            # Never spray a hot ring over every host when some fail health checks.
-            "healthy_panic_threshold": {"value": 0.0},
+            # While any host passes health checks, only those are used (Envoy's default
+            # would, below 50% healthy, route over failing hosts too). When none passes,
+            # route over all of them rather than answer every request 503: every check
+            # failing at once is more likely the checker's side (a stalled Envoy host,
+            # a network blip) than every instance at once.
+            "healthy_panic_threshold": {"value": PANIC_ONLY_WHEN_NONE_HEALTHY},
         },
         # A host removed from EDS leaves at once, even while it still passes health checks
         # (Envoy's default keeps it, and routes to it, until a check fails).
@@ -84,16 +112,7 @@ def model_cluster(
             "base_ejection_time": _duration(od.base_ejection_time_ms),
             "max_ejection_percent": od.max_ejection_percent,
         },
-        "circuit_breakers": {
-            "thresholds": [
-                {
-                    "max_connections": cb.max_connections,
-                    "max_pending_requests": cb.max_pending_requests,
-                    "max_requests": cb.max_requests,
-                    "max_retries": cb.max_retries,
-                }
-            ]
-        },
+        "circuit_breakers": circuit_breakers(config),
     }
     if eds:
         cluster["type"] = "EDS"

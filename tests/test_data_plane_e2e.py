@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
 import random
 import socket
@@ -111,3 +112,32 @@ def test_prefix_mode_bytes_keys_on_raw_bytes(procs: ProcessReaper, log_dir: Path
             post(client, stack, b"samefirst" + rng.randbytes(40))["prefix_key"] for _ in range(10)
         }
     assert len(keys) == 1
+
+
+async def test_more_than_a_thousand_requests_in_flight_are_all_routed(stack: StaticStack) -> None:
+    """Each request holds an ext_proc stream until it ends; past Envoy's default circuit
+    breaker (1,024 streams) the rest would go on unrouted, with no error anywhere."""
+    n = 1200
+    port = int(stack.url.rsplit(":", 1)[1])
+
+    async def held(i: int) -> dict[str, str]:
+        # Raw HTTP/1.1, one connection each: httpx's pool costs O(n) per request here.
+        body = chat(f"held {i}")
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(
+                b"POST /v1/chat/completions HTTP/1.1\r\nHost: x\r\nx-hold-ms: 3000\r\n"
+                b"Content-Type: application/json\r\nConnection: close\r\n"
+                b"Content-Length: %d\r\n\r\n%s" % (len(body), body)
+            )
+            answer = await asyncio.wait_for(reader.read(), timeout=60)
+        finally:
+            writer.close()
+        head, _, payload = answer.partition(b"\r\n\r\n")
+        assert head.startswith(b"HTTP/1.1 200"), head
+        # The body may come chunked: the JSON object is between its outer braces.
+        return json.loads(payload[payload.index(b"{") : payload.rindex(b"}") + 1])  # type: ignore[no-any-return]
+
+    answers = await asyncio.gather(*(held(i) for i in range(n)))
+    unrouted = sum(1 for a in answers if a["prefix_key"] is None)
+    assert unrouted == 0, f"{unrouted} of {n} requests went on without a prefix key"

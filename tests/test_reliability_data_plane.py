@@ -222,3 +222,28 @@ async def test_a_hung_instance_is_taken_out_by_health_checks(
             assert set(codes) == {200}, codes
         finally:
             await client.post(f"http://{victim}/sim/fault", json={"mode": "none"})
+
+
+async def test_when_every_health_check_fails_at_once_requests_still_go_through(
+    procs: ProcessReaper, log_dir: Path
+) -> None:
+    """Every check failing at once is likelier the checker's side than every instance:
+    Envoy routes over all instances then, rather than answering each request 503."""
+    config = RouterConfig.model_validate(
+        {"health_check": {"interval_ms": 200, "timeout_ms": 100, "unhealthy_threshold": 2}}
+    )
+    stack = start_static_stack(
+        procs, log_dir, backends=3, config=config, sim_args=["--time-scale", "20"]
+    )
+    slow = {"mode": "slow", "extra_latency_ms": 300}  # /health slower than its timeout
+    async with httpx.AsyncClient(timeout=10) as client:
+        for instance in stack.fleet.instances:
+            assert (await client.post(f"http://{instance.id}/sim/fault", json=slow)).is_success
+        try:
+            await asyncio.to_thread(wait_for, lambda: not any(envoy_health(stack).values()), 10)
+            codes = await load(stack, seconds=2, concurrency=6)
+            report("every health check failing", sent=sum(codes.values()), codes=dict(codes))
+            assert set(codes) == {200}, codes
+        finally:
+            for instance in stack.fleet.instances:
+                await client.post(f"http://{instance.id}/sim/fault", json={"mode": "none"})

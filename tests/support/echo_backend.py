@@ -3,6 +3,8 @@
 Several run in one process, one port each (``python -m tests.support.echo_backend
 PORT [PORT...]``). Each answers any request with JSON ``{"backend": port,
 "bytes": body length, "prefix_key": header seen}`` and ``/health`` with 200.
+A request with an ``x-hold-ms`` header is answered that much later (requests that
+stay in flight, as generations do).
 """
 
 from __future__ import annotations
@@ -26,6 +28,8 @@ def make_app(name: str) -> Any:
             size += len(message.get("body", b""))
             more = message.get("more_body", False)
         headers = {k.decode(): v.decode() for k, v in scope["headers"]}
+        if "x-hold-ms" in headers:
+            await asyncio.sleep(int(headers["x-hold-ms"]) / 1000)
         body = json.dumps(
             {"backend": name, "bytes": size, "prefix_key": headers.get("x-prefix-key")}
         ).encode()
