@@ -10,6 +10,11 @@ can differ for up to about one interval while an instance flips.
 
 :func:`next_health` is the pure threshold rule (Envoy's: ``unhealthy_threshold``
 failures in a row to go down, ``healthy_threshold`` successes to come back).
+:func:`withhold_total_outage` keeps the last healthy instances up when every
+probe fails at once: that is likelier the prober's side (a stalled host, a
+network blip) than every instance at once, and Envoy, with no healthy host,
+routes over all of them anyway (its panic threshold), so ext_proc's mirror
+keeps keying them.
 """
 
 from __future__ import annotations
@@ -22,7 +27,7 @@ from typing import Any
 import httpx
 
 from prefix_router.config import HealthCheckConfig
-from prefix_router.fleet import Fleet, Instance
+from prefix_router.fleet import Fleet, Instance, InstanceState
 from prefix_router.state import FleetRecord, StateError, StateStore
 
 log = logging.getLogger("prefix_router.control_plane.health")
@@ -42,6 +47,17 @@ def next_health(healthy: bool, streak: Streak, cfg: HealthCheckConfig) -> bool:
     if not healthy and streak.ok and streak.count >= cfg.healthy_threshold:
         return True
     return healthy
+
+
+def withhold_total_outage(fleet: Fleet, flips: dict[str, bool]) -> dict[str, bool]:
+    """``flips`` without its down-flips if applying them would leave no instance healthy
+    while one is healthy now. Instances coming back are always let through."""
+    active = [i for i in fleet.instances if i.state is InstanceState.ACTIVE]
+    healthy_now = any(i.healthy for i in active)
+    healthy_after = any(flips.get(i.id, i.healthy) for i in active)
+    if healthy_now and not healthy_after:
+        return {k: v for k, v in flips.items() if v}
+    return flips
 
 
 class HealthProber:
@@ -75,9 +91,16 @@ class HealthProber:
                 flips[instance.id] = verdict
         for gone in set(self.streaks) - {i.id for i in fleet.instances}:
             del self.streaks[gone]
-        if flips:
-            await self._publish(flips)
-        return flips
+        withheld = set(flips) - set(kept := withhold_total_outage(fleet, flips))
+        if withheld:
+            log.warning(
+                "every instance failed its health check at once; keeping %s up "
+                "(likelier this prober's side than the whole fleet)",
+                ",".join(sorted(withheld)),
+            )
+        if kept:
+            await self._publish(kept)
+        return kept
 
     async def _publish(self, flips: dict[str, bool]) -> None:
         def change(record: FleetRecord) -> FleetRecord:

@@ -11,7 +11,7 @@ import pytest
 
 from control_plane.admin import create_app
 from control_plane.drain import Drainer, drain_verdict
-from control_plane.health import Streak, next_health
+from control_plane.health import Streak, next_health, withhold_total_outage
 from control_plane.server import resolve_token
 from control_plane.service import AdminService
 from prefix_router.config import HealthCheckConfig, RouterConfig
@@ -198,6 +198,26 @@ def test_health_thresholds() -> None:
     assert next_health(True, Streak(ok=False, count=2), cfg) is False
     assert next_health(False, Streak(ok=True, count=2), cfg) is False
     assert next_health(False, Streak(ok=True, count=3), cfg) is True
+
+
+def test_the_last_healthy_instances_stay_up_when_every_probe_fails_at_once() -> None:
+    a, b, c = (Instance("10.0.0.1", p) for p in (1, 2, 3))
+    fleet = Fleet.of([a, b, c.with_changes(healthy=False)])
+    assert withhold_total_outage(fleet, {a.id: False}) == {a.id: False}
+    assert withhold_total_outage(fleet, {a.id: False, b.id: False}) == {}
+    assert withhold_total_outage(fleet, {a.id: False, b.id: False, c.id: True}) == {
+        a.id: False,
+        b.id: False,
+        c.id: True,
+    }
+    # The last healthy one stays up; with none healthy, instances still come back.
+    last = Fleet.of([a.with_changes(healthy=False), b])
+    assert withhold_total_outage(last, {b.id: False}) == {}
+    down = Fleet.of([a.with_changes(healthy=False), b.with_changes(healthy=False)])
+    assert withhold_total_outage(down, {a.id: True}) == {a.id: True}
+    # A draining instance's health does not count as keeping the fleet up.
+    draining = Fleet.of([a, b.with_changes(state=InstanceState.DRAINING)])
+    assert withhold_total_outage(draining, {a.id: False}) == {}
 
 
 def test_a_token_is_required_off_loopback(monkeypatch: pytest.MonkeyPatch, tmp_path: Path) -> None:
