@@ -65,6 +65,8 @@ class HealthProber:
         self.store = store
         self.client = client or httpx.AsyncClient()
         self.streaks: dict[str, Streak] = {}
+        self.withholding = False
+        """True while every probe fails and the last healthy instances are kept up."""
 
     async def probe(self, instance: Instance, cfg: HealthCheckConfig) -> bool:
         url = f"http://{instance.id}{cfg.path}"
@@ -91,13 +93,15 @@ class HealthProber:
                 flips[instance.id] = verdict
         for gone in set(self.streaks) - {i.id for i in fleet.instances}:
             del self.streaks[gone]
-        withheld = set(flips) - set(kept := withhold_total_outage(fleet, flips))
-        if withheld:
+        kept = withhold_total_outage(fleet, flips)
+        withheld = sorted(set(flips) - set(kept))
+        if withheld and not self.withholding:  # once an episode, not every interval
             log.warning(
                 "every instance failed its health check at once; keeping %s up "
                 "(likelier this prober's side than the whole fleet)",
-                ",".join(sorted(withheld)),
+                ",".join(withheld),
             )
+        self.withholding = bool(withheld)
         if kept:
             await self._publish(kept)
         return kept

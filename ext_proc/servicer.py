@@ -16,13 +16,14 @@ is when its in-flight count is given back (tests/test_in_flight_lifetime.py
 checks it through a real Envoy; an Envoy configured to send response headers
 too is answered the same way). Asking for the response headers as well would
 cost a third message a request and hold the stream no longer.
-The handler reads on until Envoy ends the stream. Our bootstrap turns on
-   Envoy's graceful close (``envoy.reloadable_features.ext_proc_graceful_grpc_close``):
-   Envoy half-closes the stream, the read returns end-of-stream, the handler
-   returns and grpcio sends the status. Without it Envoy resets every stream, the
-   read in flight fails, and grpcio (1.85, grpc/grpc#43360) leaks the failed
-   batch's native memory: ~100 bytes a request on a busy process, and the
-   cancellation path costs CPU too (see docs/reliability.md).
+
+The handler reads on until Envoy ends the stream. Our bootstrap turns on Envoy's
+graceful close (``envoy.reloadable_features.ext_proc_graceful_grpc_close``):
+Envoy half-closes the stream, the read returns end-of-stream, the handler
+returns and grpcio sends the status. Without it Envoy resets every stream, the
+read in flight fails, and grpcio (1.85, grpc/grpc#43360) leaks the failed
+batch's native memory: ~100 bytes a request on a busy process, and the
+cancellation path costs CPU too (see docs/reliability.md).
 
 Responses that carry no mutation are prebuilt constants: the hot path
 allocates only the one body response.

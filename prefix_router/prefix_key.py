@@ -286,7 +286,7 @@ def _render_prompt(prompt: Any) -> str:
 
 def _render_responses_input(items: Any, limit: int) -> Iterator[str]:
     if isinstance(items, str):
-        yield "user" + _FIELD + items
+        yield "user" + _FIELD + items[:limit]
     elif isinstance(items, list) and items:
         messages = [i for i in items if isinstance(i, dict) and "role" in i]
         yield from _render_messages(messages, limit)
