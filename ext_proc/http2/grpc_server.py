@@ -1,0 +1,314 @@
+"""gRPC over our HTTP/2 connection: calls, message framing, status, the listening server.
+
+A gRPC call is one HTTP/2 stream: request headers (``:method POST``, ``:path
+/service/Method``, ``content-type: application/grpc...``), then length-prefixed
+messages each way (1 byte compressed flag, 4 bytes length, the message), then the
+server's trailers carry ``grpc-status`` (and ``grpc-message``). See
+https://github.com/grpc/grpc/blob/master/doc/PROTOCOL-HTTP2.md.
+
+A method is a factory of :class:`MessageHandler` objects, one per call. The
+handler answers each request message in order, synchronously (bytes, or None for
+no answer) or with an awaitable for answers that wait on I/O; a message that
+arrives while an answer is pending waits its turn. When the client ends its side
+the call ends with status OK once every answer is out; a handler ends it early
+by raising :class:`GrpcError`. ``on_end`` tells the handler the call is over, and
+whether the client cancelled it (RST_STREAM, or the connection was lost): the
+one place to give back what the call holds. Unary methods are the same thing:
+one message in, one answer, then the client's end.
+
+Messages are bytes: the handler parses and serializes its own protobufs, so the
+hot path pays for exactly one parse and one serialization.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import logging
+from collections import deque
+from collections.abc import Awaitable, Callable, Mapping
+from enum import IntEnum
+from typing import Protocol
+from urllib.parse import quote
+
+from ext_proc.http2.connection import Headers, Http2Connection
+from ext_proc.http2.frames import STATUS_200, encode_literal_headers
+
+log = logging.getLogger("prefix_router.ext_proc.http2")
+
+MAX_MESSAGE_BYTES = 64 * 1024 * 1024 + 64 * 1024
+"""Largest request message accepted: a 64 MiB body and its envelope."""
+
+
+class StatusCode(IntEnum):
+    OK = 0
+    CANCELLED = 1
+    UNKNOWN = 2
+    INVALID_ARGUMENT = 3
+    NOT_FOUND = 5
+    RESOURCE_EXHAUSTED = 8
+    INTERNAL = 13
+    UNAVAILABLE = 14
+    UNIMPLEMENTED = 12
+
+
+class GrpcError(Exception):
+    """Raised by a handler to end its call with ``code`` and ``message``."""
+
+    def __init__(self, code: StatusCode, message: str = "") -> None:
+        super().__init__(message)
+        self.code = code
+        self.message = message
+
+
+Answer = bytes | None | Awaitable[bytes | None]
+
+
+class MessageHandler(Protocol):
+    """One call of a method, from the server's side."""
+
+    def on_message(self, message: bytes) -> Answer:
+        """Answer one request message: bytes, None (no answer), or an awaitable of either."""
+
+    def on_end(self, cancelled: bool) -> None:
+        """The call is over; ``cancelled`` if the client reset it or went away."""
+
+
+Method = Callable[[], MessageHandler]
+
+
+RESPONSE_HEADERS = STATUS_200 + encode_literal_headers([("content-type", "application/grpc")])
+
+
+def trailers(code: StatusCode, message: str = "") -> bytes:
+    """The trailing header block of a call that ends with ``code``."""
+    fields = [("grpc-status", str(int(code)))]
+    if message:
+        fields.append(("grpc-message", quote(message, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~")))
+    return encode_literal_headers(fields)
+
+
+OK_TRAILERS = trailers(StatusCode.OK)
+
+
+def frame_message(message: bytes) -> bytes:
+    return b"\x00" + len(message).to_bytes(4, "big") + message
+
+
+class GrpcCall:
+    """The listener of one stream: reassembles messages, runs the handler, answers in order."""
+
+    __slots__ = (
+        "_conn",
+        "_id",
+        "_handler",
+        "_buffer",
+        "_pending",
+        "_backlog",
+        "_client_done",
+        "_headers_sent",
+        "_over",
+    )
+
+    def __init__(self, conn: Http2Connection, stream_id: int, handler: MessageHandler) -> None:
+        self._conn = conn
+        self._id = stream_id
+        self._handler = handler
+        self._buffer = bytearray()
+        self._pending: asyncio.Future[bytes | None] | None = None
+        self._backlog: deque[bytes] = deque()
+        self._client_done = False
+        self._headers_sent = False
+        self._over = False
+
+    # -- StreamListener ---------------------------------------------------------------------
+
+    def data_received(self, data: bytes, end_stream: bool) -> None:
+        if self._over:
+            return
+        if data:
+            self._take(data)
+        if end_stream and not self._over:
+            self._client_done = True
+            if self._pending is None and not self._backlog:
+                self._finish(StatusCode.OK)
+
+    def reset(self) -> None:
+        if not self._over:
+            self._over = True
+            self._handler.on_end(True)
+
+    # -- messages ---------------------------------------------------------------------------
+
+    def _take(self, data: bytes) -> None:
+        buffer = self._buffer
+        if not buffer and len(data) >= 5 and data[0] == 0:  # the common case: whole messages
+            size = int.from_bytes(data[1:5], "big")
+            if len(data) == 5 + size:
+                self._deliver(data[5:])
+                return
+        buffer += data
+        while len(buffer) >= 5 and not self._over:
+            if buffer[0] != 0:
+                self._fail(StatusCode.UNIMPLEMENTED, "compressed messages are not supported")
+                return
+            size = int.from_bytes(buffer[1:5], "big")
+            if size > MAX_MESSAGE_BYTES:
+                self._fail(
+                    StatusCode.RESOURCE_EXHAUSTED,
+                    f"message of {size} bytes exceeds {MAX_MESSAGE_BYTES}",
+                )
+                return
+            if len(buffer) < 5 + size:
+                return
+            message = bytes(buffer[5 : 5 + size])
+            del buffer[: 5 + size]
+            self._deliver(message)
+
+    def _deliver(self, message: bytes) -> None:
+        if self._pending is not None or self._backlog:
+            self._backlog.append(message)
+            return
+        self._answer(message)
+
+    def _answer(self, message: bytes) -> None:
+        try:
+            answer = self._handler.on_message(message)
+        except GrpcError as exc:
+            self._fail(exc.code, exc.message)
+            return
+        except Exception:
+            log.exception("handler failed")
+            self._fail(StatusCode.INTERNAL, "internal error")
+            return
+        if isinstance(answer, bytes):
+            self._send(answer)
+        elif answer is not None:
+            future = asyncio.ensure_future(answer)
+            self._pending = future
+            future.add_done_callback(self._answered)
+
+    def _answered(self, future: asyncio.Future[bytes | None]) -> None:
+        self._pending = None
+        if self._over:
+            return  # cancelled meanwhile: the handler knows (on_end) and cleans up
+        exc = future.exception() if not future.cancelled() else None
+        if future.cancelled() or exc is not None:
+            if isinstance(exc, GrpcError):
+                self._fail(exc.code, exc.message)
+            else:
+                log.error("handler failed", exc_info=exc)
+                self._fail(StatusCode.INTERNAL, "internal error")
+            return
+        answer = future.result()
+        if answer is not None:
+            self._send(answer)
+        while self._backlog and self._pending is None and not self._over:
+            self._answer(self._backlog.popleft())
+        if self._client_done and self._pending is None and not self._backlog and not self._over:
+            self._finish(StatusCode.OK)
+
+    # -- answers ----------------------------------------------------------------------------
+
+    def _send(self, message: bytes) -> None:
+        if not self._headers_sent:
+            self._headers_sent = True
+            self._conn.send_headers(self._id, RESPONSE_HEADERS)
+        self._conn.send_data(self._id, frame_message(message))
+
+    def _finish(self, code: StatusCode, message: str = "") -> None:
+        self._over = True
+        if self._headers_sent:
+            block = (
+                OK_TRAILERS if code is StatusCode.OK and not message else trailers(code, message)
+            )
+        else:
+            block = RESPONSE_HEADERS + trailers(code, message)  # "trailers-only"
+        self._conn.send_headers(self._id, block, end_stream=True)
+        self._handler.on_end(False)
+
+    def _fail(self, code: StatusCode, message: str) -> None:
+        self._backlog.clear()
+        self._buffer.clear()
+        self._finish(code, message)
+
+
+class _Refused:
+    """The handler of a call we cannot serve: it fails at its first message, or its end."""
+
+    def __init__(self, code: StatusCode, message: str) -> None:
+        self.error = GrpcError(code, message)
+
+    def on_message(self, message: bytes) -> Answer:
+        raise self.error
+
+    def on_end(self, cancelled: bool) -> None:
+        pass
+
+
+def _header(headers: Headers, name: bytes) -> bytes | None:
+    for key, value in headers:
+        if key == name:
+            return value
+    return None
+
+
+class GrpcServer:
+    """Serves ``methods`` (``"/package.Service/Method"`` -> factory) on one TCP port."""
+
+    def __init__(self, methods: Mapping[str, Method]) -> None:
+        self._methods = {path.encode(): factory for path, factory in methods.items()}
+        self._connections: set[Http2Connection] = set()
+        self._server: asyncio.Server | None = None
+
+    def _open_call(self, conn: Http2Connection, stream_id: int, headers: Headers) -> GrpcCall:
+        path = _header(headers, b":path") or b""
+        factory = self._methods.get(path)
+        content_type = _header(headers, b"content-type") or b""
+        handler: MessageHandler
+        if _header(headers, b":method") != b"POST":
+            handler = _Refused(StatusCode.UNIMPLEMENTED, "gRPC calls are POST requests")
+        elif not content_type.startswith(b"application/grpc"):
+            handler = _Refused(StatusCode.UNIMPLEMENTED, "content-type is not application/grpc")
+        elif _header(headers, b"grpc-encoding") not in (None, b"identity"):
+            handler = _Refused(StatusCode.UNIMPLEMENTED, "compressed calls are not supported")
+        elif factory is None:
+            handler = _Refused(StatusCode.UNIMPLEMENTED, f"unknown method {path.decode('latin-1')}")
+        else:
+            handler = factory()
+        return GrpcCall(conn, stream_id, handler)
+
+    def _connection(self) -> Http2Connection:
+        conn = Http2Connection(self._open_call, on_close=self._connections.discard)
+        self._connections.add(conn)
+        return conn
+
+    async def start(self, host: str, port: int) -> None:
+        loop = asyncio.get_running_loop()
+        self._server = await loop.create_server(self._connection, host, port, reuse_address=True)
+
+    @property
+    def port(self) -> int:
+        assert self._server is not None
+        return int(self._server.sockets[0].getsockname()[1])
+
+    @property
+    def open_calls(self) -> int:
+        return sum(c.open_streams for c in self._connections)
+
+    async def stop(self, grace: float) -> None:
+        """Stop listening, let open calls end within ``grace`` seconds, then cut the rest."""
+        if self._server is not None:
+            self._server.close()
+        connections = list(self._connections)
+        for conn in connections:
+            conn.close_gracefully()
+        if connections:
+            _, late = await asyncio.wait(
+                [asyncio.ensure_future(c.wait_closed()) for c in connections], timeout=grace
+            )
+            for conn in connections:
+                conn.abort()
+            if late:
+                await asyncio.wait(late, timeout=1.0)
+        if self._server is not None:
+            await self._server.wait_closed()

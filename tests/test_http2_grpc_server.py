@@ -1,0 +1,367 @@
+"""ext_proc's own gRPC server, over real sockets, against two independent clients.
+
+grpcio's client (the same C core as most gRPC stacks) checks calls end to end:
+ordering, status, big messages both ways through flow control, cancellation,
+thousands of concurrent streams and a graceful stop. The h2 library (an
+independent HTTP/2 implementation) and hand-made frames check the protocol's
+corners: padding, CONTINUATION, a tiny client window, PING, and the errors that
+must close a connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+from collections.abc import AsyncIterator
+from dataclasses import dataclass, field
+
+import grpc
+import h2.config
+import h2.connection
+import h2.events
+import h2.settings
+import hpack
+import pytest
+from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame
+
+from ext_proc.http2.frames import PREFACE, ErrorCode, encode_frame
+from ext_proc.http2.grpc_server import (
+    Answer,
+    GrpcError,
+    GrpcServer,
+    StatusCode,
+    frame_message,
+)
+
+ECHO = "/test.Echo/Stream"
+SLOW_FIRST = "/test.Echo/SlowFirst"
+FAIL = "/test.Echo/Fail"
+
+
+@dataclass
+class Ends:
+    """How each call ended: True for cancelled, False for a normal end."""
+
+    seen: list[bool] = field(default_factory=list)
+
+
+class Echo:
+    def __init__(self, ends: Ends, slow_first: bool = False) -> None:
+        self.ends, self.slow_first, self.count = ends, slow_first, 0
+
+    def on_message(self, message: bytes) -> Answer:
+        self.count += 1
+        if message == b"fail":
+            raise GrpcError(StatusCode.INVALID_ARGUMENT, "no thanks: ünïcode 100%")
+        if self.slow_first and self.count == 1:
+            return self._later(message)
+        return message
+
+    async def _later(self, message: bytes) -> bytes:
+        await asyncio.sleep(0.05)
+        return b"slow:" + message
+
+    def on_end(self, cancelled: bool) -> None:
+        self.ends.seen.append(cancelled)
+
+
+class Hold:
+    """Answers nothing; the call stays open until the client ends it."""
+
+    def __init__(self, ends: Ends) -> None:
+        self.ends = ends
+
+    def on_message(self, message: bytes) -> Answer:
+        return None
+
+    def on_end(self, cancelled: bool) -> None:
+        self.ends.seen.append(cancelled)
+
+
+@pytest.fixture
+async def served() -> AsyncIterator[tuple[GrpcServer, Ends]]:
+    ends = Ends()
+    server = GrpcServer(
+        {
+            ECHO: lambda: Echo(ends),
+            SLOW_FIRST: lambda: Echo(ends, slow_first=True),
+            FAIL: lambda: Hold(ends),
+        }
+    )
+    await server.start("127.0.0.1", 0)
+    try:
+        yield server, ends
+    finally:
+        await server.stop(grace=1.0)
+
+
+@contextlib.asynccontextmanager
+async def channel(server: GrpcServer) -> AsyncIterator[grpc.aio.Channel]:
+    ch = grpc.aio.insecure_channel(
+        f"127.0.0.1:{server.port}", options=[("grpc.max_receive_message_length", 32 << 20)]
+    )
+    try:
+        yield ch
+    finally:
+        await ch.close()
+
+
+def raw_stream(ch: grpc.aio.Channel, path: str) -> grpc.aio.StreamStreamMultiCallable:
+    return ch.stream_stream(path, request_serializer=None, response_deserializer=None)
+
+
+async def call(ch: grpc.aio.Channel, path: str, messages: list[bytes]) -> list[bytes]:
+    return [m async for m in raw_stream(ch, path)(iter(messages))]
+
+
+async def eventually(condition: object, timeout: float = 2.0) -> None:
+    for _ in range(int(timeout / 0.01)):
+        if callable(condition) and condition():
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("condition not reached")
+
+
+# -- end to end with grpcio's client ----------------------------------------------------------
+
+
+async def test_answers_come_in_order_even_when_the_first_is_late(served: tuple) -> None:
+    server, ends = served
+    async with channel(server) as ch:
+        assert await call(ch, ECHO, [b"a", b"", b"c"]) == [b"a", b"", b"c"]
+        assert await call(ch, SLOW_FIRST, [b"1", b"2", b"3"]) == [b"slow:1", b"2", b"3"]
+    await eventually(lambda: len(ends.seen) == 2)
+    assert ends.seen == [False, False]
+
+
+async def test_unknown_methods_and_handler_errors_end_with_their_status(served: tuple) -> None:
+    server, _ = served
+    async with channel(server) as ch:
+        with pytest.raises(grpc.aio.AioRpcError) as unknown:
+            await call(ch, "/test.Echo/Nope", [b"x"])
+        assert unknown.value.code() is grpc.StatusCode.UNIMPLEMENTED
+        with pytest.raises(grpc.aio.AioRpcError) as failed:
+            await call(ch, ECHO, [b"ok", b"fail", b"never answered"])
+        assert failed.value.code() is grpc.StatusCode.INVALID_ARGUMENT
+        assert failed.value.details() == "no thanks: ünïcode 100%"
+
+
+async def test_messages_of_16_mib_pass_both_ways_through_flow_control(served: tuple) -> None:
+    server, _ = served
+    big = bytes(range(256)) * (16 * 4096)
+    async with channel(server) as ch:
+        assert await call(ch, ECHO, [big, b"after"]) == [big, b"after"]
+
+
+async def test_a_cancelled_call_is_ended_as_cancelled(served: tuple) -> None:
+    server, ends = served
+    async with channel(server) as ch:
+        held = raw_stream(ch, FAIL)()
+        await held.write(b"hello")
+        await eventually(lambda: server.open_calls == 1)
+        held.cancel()
+        await eventually(lambda: ends.seen == [True])
+        await eventually(lambda: server.open_calls == 0)
+
+
+async def test_three_thousand_concurrent_calls(served: tuple) -> None:
+    server, ends = served
+    async with channel(server) as ch:
+        held = [raw_stream(ch, FAIL)() for _ in range(3000)]
+        for c in held:
+            await c.write(b"x")
+        await eventually(lambda: server.open_calls == 3000, timeout=20)
+        for c in held:
+            await c.done_writing()
+        for c in held:
+            assert await c.code() is grpc.StatusCode.OK
+    assert ends.seen.count(False) == 3000
+
+
+async def test_a_graceful_stop_lets_open_calls_finish_and_refuses_new_ones() -> None:
+    ends = Ends()
+    server = GrpcServer({FAIL: lambda: Hold(ends)})
+    await server.start("127.0.0.1", 0)
+    async with channel(server) as ch:
+        held = raw_stream(ch, FAIL)()
+        await held.write(b"x")
+        await eventually(lambda: server.open_calls == 1)
+        stopping = asyncio.create_task(server.stop(grace=5.0))
+        await asyncio.sleep(0.1)
+        assert not stopping.done()  # the open call holds the stop
+        await held.done_writing()
+        assert await held.code() is grpc.StatusCode.OK
+        await asyncio.wait_for(stopping, 2.0)
+        with pytest.raises(grpc.aio.AioRpcError) as refused:
+            await asyncio.wait_for(call(ch, FAIL, [b"x"]), 5.0)
+        assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
+    assert ends.seen == [False]
+
+
+async def test_a_stop_cuts_calls_that_outlive_the_grace() -> None:
+    ends = Ends()
+    server = GrpcServer({FAIL: lambda: Hold(ends)})
+    await server.start("127.0.0.1", 0)
+    async with channel(server) as ch:
+        held = raw_stream(ch, FAIL)()
+        await held.write(b"x")
+        await eventually(lambda: server.open_calls == 1)
+        await asyncio.wait_for(server.stop(grace=0.2), 3.0)
+        assert ends.seen == [True]
+        assert await held.code() is grpc.StatusCode.UNAVAILABLE
+
+
+# -- protocol corners with the h2 library and hand-made frames --------------------------------
+
+
+class H2Client:
+    """A plain HTTP/2 client on the h2 library, over asyncio streams."""
+
+    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
+                 window: int = 65_535) -> None:
+        self.reader, self.writer = reader, writer
+        self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+        self.conn.local_settings = h2.settings.Settings(
+            client=True, initial_values={h2.settings.SettingCodes.INITIAL_WINDOW_SIZE: window}
+        )
+        self.conn.initiate_connection()
+        self.flush()
+
+    @classmethod
+    async def connect(cls, server: GrpcServer, window: int = 65_535) -> H2Client:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        return cls(reader, writer, window)
+
+    def flush(self) -> None:
+        self.writer.write(self.conn.data_to_send())
+
+    def request(self, path: str, stream_id: int) -> None:
+        self.conn.send_headers(
+            stream_id,
+            [(":method", "POST"), (":scheme", "http"), (":path", path),
+             (":authority", "test"), ("content-type", "application/grpc"), ("te", "trailers")],
+        )
+        self.flush()
+
+    async def events(self, until: type, ack_data: bool = True) -> list[h2.events.Event]:
+        """Events until one of type ``until`` (flow-control credit given back as data comes)."""
+        seen: list[h2.events.Event] = []
+        while True:
+            data = await asyncio.wait_for(self.reader.read(65_536), 5.0)
+            if not data:
+                return seen
+            for event in self.conn.receive_data(data):
+                seen.append(event)
+                if isinstance(event, h2.events.DataReceived) and ack_data:
+                    self.conn.acknowledge_received_data(event.flow_controlled_length,
+                                                        event.stream_id)
+            self.flush()
+            if any(isinstance(e, until) for e in seen):
+                return seen
+
+    def close(self) -> None:
+        self.writer.close()
+
+
+def body_of(events: list[h2.events.Event]) -> bytes:
+    return b"".join(e.data for e in events if isinstance(e, h2.events.DataReceived))
+
+
+async def test_a_tiny_client_window_gets_the_answer_in_pieces(served: tuple) -> None:
+    server, _ = served
+    client = await H2Client.connect(server, window=10)
+    message = b"m" * 1000
+    client.request(ECHO, 1)
+    client.conn.send_data(1, frame_message(message), end_stream=True)
+    client.flush()
+    events = await client.events(until=h2.events.StreamEnded)
+    pieces = [e for e in events if isinstance(e, h2.events.DataReceived)]
+    assert len(pieces) > 50 and max(len(p.data) for p in pieces) <= 10
+    assert body_of(events) == frame_message(message)
+    trailers = next(e for e in events if isinstance(e, h2.events.TrailersReceived))
+    assert (b"grpc-status", b"0") in trailers.headers
+    client.close()
+
+
+async def test_a_ping_is_answered_with_its_payload(served: tuple) -> None:
+    server, _ = served
+    client = await H2Client.connect(server)
+    client.conn.ping(b"12345678")
+    client.flush()
+    events = await client.events(until=h2.events.PingAckReceived)
+    ack = next(e for e in events if isinstance(e, h2.events.PingAckReceived))
+    assert ack.ping_data == b"12345678"
+    client.close()
+
+
+async def test_padded_data_and_a_header_block_in_continuation_frames(served: tuple) -> None:
+    server, _ = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    block = hpack.Encoder().encode(
+        [(":method", "POST"), (":scheme", "http"), (":path", ECHO), (":authority", "t"),
+         ("content-type", "application/grpc"), ("x-filler", "f" * 3000)]
+    )
+    headers = HeadersFrame(1, block[:1000])
+    continued = ContinuationFrame(1, block[1000:2000])
+    last = ContinuationFrame(1, block[2000:], flags=["END_HEADERS"])
+    data = DataFrame(1, frame_message(b"padded"), flags=["PADDED", "END_STREAM"])
+    data.pad_length = 40
+    writer.write(PREFACE + encode_frame(4, 0, 0) + b"".join(
+        f.serialize() for f in (headers, continued, last, data)))
+    client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
+    client.initiate_connection()  # the state machine only: what it would send is dropped
+    client.data_to_send()
+    client.send_headers(1, [(":method", "POST"), (":path", ECHO), (":scheme", "http"),
+                            (":authority", "t")], end_stream=True)
+    client.data_to_send()
+    seen: list[h2.events.Event] = []
+    while not any(isinstance(e, h2.events.StreamEnded) for e in seen):
+        seen += client.receive_data(await asyncio.wait_for(reader.read(65_536), 5.0))
+    assert body_of(seen) == frame_message(b"padded")
+    writer.close()
+
+
+async def goaway_for(server: GrpcServer, frames: bytes) -> int:
+    """The error code of the GOAWAY the server answers ``frames`` with; it then closes."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(frames)
+    received = b""
+    while True:
+        chunk = await asyncio.wait_for(reader.read(65_536), 5.0)
+        if not chunk:
+            break
+        received += chunk
+    writer.close()
+    pos = 0
+    while pos + 9 <= len(received):
+        length = int.from_bytes(received[pos : pos + 3], "big")
+        if received[pos + 3] == 7:  # GOAWAY
+            return int.from_bytes(received[pos + 13 : pos + 17], "big")
+        pos += 9 + length
+    raise AssertionError("no GOAWAY before the connection closed")
+
+
+async def test_a_connection_that_is_not_http2_is_refused(served: tuple) -> None:
+    server, _ = served
+    code = await goaway_for(server, b"GET / HTTP/1.1\r\nHost: x\r\n\r\n")
+    assert code == ErrorCode.PROTOCOL_ERROR
+
+
+async def test_data_on_a_stream_never_opened_closes_the_connection(served: tuple) -> None:
+    server, _ = served
+    code = await goaway_for(server, PREFACE + encode_frame(4, 0, 0) + encode_frame(0, 0, 9, b"x"))
+    assert code == ErrorCode.PROTOCOL_ERROR
+
+
+async def test_a_stream_id_that_goes_backwards_closes_the_connection(served: tuple) -> None:
+    server, _ = served
+    block = hpack.Encoder().encode([(":method", "POST"), (":path", ECHO)])
+    opens = b"".join(encode_frame(1, 0x4, sid, block) for sid in (5, 3))
+    code = await goaway_for(server, PREFACE + encode_frame(4, 0, 0) + opens)
+    assert code == ErrorCode.PROTOCOL_ERROR
+
+
+async def test_a_header_block_that_does_not_decode_is_a_compression_error(served: tuple) -> None:
+    server, _ = served
+    code = await goaway_for(server, PREFACE + encode_frame(1, 0x4, 1, b"\xff\xff\xff\xff"))
+    assert code == ErrorCode.COMPRESSION_ERROR
