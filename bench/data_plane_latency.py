@@ -1,10 +1,11 @@
 """What ext_proc adds to a request: Envoy -> backend directly vs through ext_proc.
 
-Starts, on 127.0.0.1: three echo backends, P prefix-router ext_proc processes, P
-bare ones (``bare_ext_proc.py``: continue, decide nothing) and three Envoys over
-the same static fleet: one with the filter turned off, one through the bare
-ext_proc, one through prefix-router's. The bare one is the yardstick that does
-not depend on the machine: prefix-router minus bare is what its logic costs.
+Starts, on 127.0.0.1: three echo backends, P prefix-router ext_proc processes on
+each transport (our HTTP/2 server, the default, and grpcio), P bare ones
+(``bare_ext_proc.py``: grpcio, continue, decide nothing) and four Envoys over the
+same static fleet: one with the filter turned off, one through the bare ext_proc,
+one through each of prefix-router's. The bare one is the yardstick that does not
+depend on the machine: what a Python ext_proc on grpcio costs at all.
 For 1 KB and 64 KB OpenAI chat bodies it measures, with wrk, latency p50/p99 at
 concurrency 1 and requests/s at concurrency 16, and prints a markdown table
 (also written to bench/results/data_plane_latency.md).
@@ -28,8 +29,9 @@ from prefix_router.procs import ManagedProcess, free_port
 
 PATHS = {
     "direct": "Envoy alone",
-    "bare": "bare Python ext_proc",
+    "bare": "bare Python ext_proc (grpcio)",
     "ext_proc": "prefix-router ext_proc",
+    "ext_proc_grpcio": "prefix-router ext_proc, grpcio transport",
 }
 
 
@@ -57,12 +59,15 @@ def main() -> None:
         fleet = Fleet.of([Instance("127.0.0.1", p) for p in ports])
         config = RouterConfig()
         ep_ports = [free_port() for _ in range(args.ext_procs)]
+        grpcio_ports = [free_port() for _ in range(args.ext_procs)]
         bare_ports = [free_port() for _ in range(args.ext_procs)]
         ep_args = [a for p in ports for a in ("--backend", f"127.0.0.1:{p}")]
         if args.redis_url:
             ep_args += ["--redis-url", args.redis_url, "--namespace", "bench-dp:"]
         for port in ep_ports:
             started.append(start_ext_proc(port, logs, args=ep_args))
+        for port in grpcio_ports:
+            started.append(start_ext_proc(port, logs, args=[*ep_args, "--transport", "grpcio"]))
         for port in bare_ports:
             started.append(
                 start_module(
@@ -70,7 +75,12 @@ def main() -> None:
                 )
             )
         urls = {}
-        for name, eps in (("direct", []), ("bare", bare_ports), ("ext_proc", ep_ports)):
+        for name, eps in (
+            ("direct", []),
+            ("bare", bare_ports),
+            ("ext_proc", ep_ports),
+            ("ext_proc_grpcio", grpcio_ports),
+        ):
             params = BootstrapParams(
                 listen_port=free_port(),
                 admin_port=free_port(),

@@ -12,15 +12,18 @@ import asyncio
 import logging
 import signal
 from collections.abc import Sequence
+from enum import StrEnum
+from typing import Protocol
 
-import grpc
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
-from grpc_health.v1 import health, health_pb2, health_pb2_grpc
+import uvloop
 from prometheus_client import start_http_server
 
+from ext_proc.grpcio_server import GrpcioExtProcServer
+from ext_proc.http2.grpc_server import GrpcServer
+from ext_proc.http2.health import CHECK_PATH, HealthStatus
 from ext_proc.metrics import PrometheusCallbacks
 from ext_proc.router import RequestRouter
-from ext_proc.servicer import ExternalProcessor
+from ext_proc.servicer import PROCESS_PATH, SERVICE_NAME, ExternalProcessor
 from ext_proc.state_follower import follow_state
 from prefix_router.config import RouterConfig, load_config_file
 from prefix_router.fleet import Fleet, Instance
@@ -31,7 +34,39 @@ from prefix_router.routing import RoutingTable
 
 log = logging.getLogger("prefix_router.ext_proc")
 
-SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+
+class Transport(StrEnum):
+    """The gRPC server that carries ext_proc's streams."""
+
+    HTTP2 = "http2"
+    """Our own HTTP/2 + gRPC on the event loop (``ext_proc.http2``): the default."""
+    GRPCIO = "grpcio"
+    """grpcio's asyncio server: about half the requests/s a core; the fallback."""
+
+
+class ExtProcServer(Protocol):
+    async def start(self, host: str, port: int) -> None: ...
+    async def set_serving(self, serving: bool) -> None: ...
+    async def stop(self, grace: float) -> None: ...
+
+
+class Http2ExtProcServer:
+    """ext_proc and the gRPC health service on :class:`~ext_proc.http2.grpc_server.GrpcServer`."""
+
+    def __init__(self, processor: ExternalProcessor) -> None:
+        self._health = HealthStatus((SERVICE_NAME,))
+        self._server = GrpcServer(
+            {PROCESS_PATH: processor.open, CHECK_PATH: self._health.check_method()}
+        )
+
+    async def start(self, host: str, port: int) -> None:
+        await self._server.start(host, port)
+
+    async def set_serving(self, serving: bool) -> None:
+        self._health.set_serving(serving)
+
+    async def stop(self, grace: float) -> None:
+        await self._server.stop(grace)
 
 
 async def serve(
@@ -40,36 +75,27 @@ async def serve(
     host: str = "127.0.0.1",
     port: int,
     stop: asyncio.Event | None = None,
+    transport: Transport = Transport.HTTP2,
 ) -> None:
     """Serve ext_proc (and gRPC health) on ``host:port`` until ``stop`` is set."""
-    server = grpc.aio.server(
-        options=[
-            ("grpc.so_reuseport", 0),
-            ("grpc.max_receive_message_length", 64 * 1024 * 1024),
-            ("grpc.http2.max_pings_without_data", 0),
-        ]
-    )
-    servicer = ExternalProcessor(router)
+    processor = ExternalProcessor(router)
     if isinstance(router.callbacks, PrometheusCallbacks):
         loop = asyncio.get_running_loop()
-        router.callbacks.open_streams.set_function(lambda: servicer.open_streams)
+        router.callbacks.open_streams.set_function(lambda: processor.open_streams)
         router.callbacks.asyncio_tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
-    pb_grpc.add_ExternalProcessorServicer_to_server(servicer, server)
-    health_servicer = health.aio.HealthServicer()
-    health_pb2_grpc.add_HealthServicer_to_server(health_servicer, server)
-    bound = server.add_insecure_port(f"{host}:{port}")
-    if bound == 0:
-        raise OSError(f"ext_proc cannot bind {host}:{port}")
-    await server.start()
-    for name in ("", SERVICE_NAME):
-        await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
-    log.info("ext_proc serving on %s:%d", host, port)
+    server: ExtProcServer = (
+        Http2ExtProcServer(processor)
+        if transport is Transport.HTTP2
+        else GrpcioExtProcServer(processor)
+    )
+    await server.start(host, port)
+    await server.set_serving(True)
+    log.info("ext_proc serving on %s:%d (%s)", host, port, transport.value)
     stop = stop or asyncio.Event()
     try:
         await stop.wait()
     finally:
-        for name in ("", SERVICE_NAME):
-            await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
+        await server.set_serving(False)
         await server.stop(grace=2.0)
         log.info("ext_proc stopped")
 
@@ -92,6 +118,13 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--redis-url", help="share in-flight counts (and follow the fleet) in Redis")
     p.add_argument("--namespace", default="prefix-router:", help="Redis key prefix")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument(
+        "--transport",
+        type=Transport,
+        choices=list(Transport),
+        default=Transport.HTTP2,
+        help="gRPC server: our HTTP/2 (default) or grpcio (the fallback)",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -118,11 +151,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 follow_state(router, args.redis_url, args.namespace, stop=stop)
             )
         try:
-            await serve(router, host=args.host, port=args.port, stop=stop)
+            await serve(router, host=args.host, port=args.port, stop=stop, transport=args.transport)
         finally:
             if follower is not None:
                 await follower
             await store.close()
 
-    asyncio.run(run())
+    if args.transport is Transport.HTTP2:
+        uvloop.run(run())  # grpcio's asyncio server does not run on uvloop
+    else:
+        asyncio.run(run())
     return 0

@@ -1,4 +1,4 @@
-"""Envoy External Processing (ext_proc) servicer: the gRPC shell around the router.
+"""Envoy External Processing (ext_proc): what one stream says and what we answer.
 
 Envoy runs the ext_proc filter with ``request_header_mode: SEND``,
 ``request_body_mode: BUFFERED`` and nothing else; one gRPC stream carries one
@@ -17,129 +17,160 @@ checks it through a real Envoy; an Envoy configured to send response headers
 too is answered the same way). Asking for the response headers as well would
 cost a third message a request and hold the stream no longer.
 
-The handler reads on until Envoy ends the stream. Our bootstrap turns on Envoy's
-graceful close (``envoy.reloadable_features.ext_proc_graceful_grpc_close``):
-Envoy half-closes the stream, the read returns end-of-stream, the handler
-returns and grpcio sends the status. Without it Envoy resets every stream, the
-read in flight fails, and grpcio (1.85, grpc/grpc#43360) leaks the failed
-batch's native memory: ~100 bytes a request on a busy process, and the
-cancellation path costs CPU too (see docs/reliability.md).
+Our bootstrap turns on Envoy's graceful close
+(``envoy.reloadable_features.ext_proc_graceful_grpc_close``): Envoy half-closes
+the stream at the request's end and we end it with status OK. Without it Envoy
+resets every stream; both end the session, a reset counted as such.
 
-Responses that carry no mutation are prebuilt constants: the hot path
-allocates only the one body response.
+A :class:`ProcessingSession` is one stream, independent of the gRPC server
+that carries it (``ext_proc.http2``, or grpcio in ``ext_proc.grpcio_server``):
+it takes each message as bytes and answers bytes, at once for the headers and
+with an awaitable for the body, whose routing may wait on Redis. Responses that
+carry no mutation are prebuilt bytes; the hot path builds only the one body
+response.
 """
 
 from __future__ import annotations
 
 import logging
-from collections.abc import AsyncIterator
-from typing import Any
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
-from envoy.service.ext_proc.v3 import external_processor_pb2_grpc as pb_grpc
+from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
+from ext_proc.http2.grpc_server import Answer, GrpcError, StatusCode
 from ext_proc.router import RequestRouter, RouteResult
 
 log = logging.getLogger("prefix_router.ext_proc")
 
+SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
+PROCESS_PATH = f"/{SERVICE_NAME}/Process"
 PREFIX_KEY_HEADER = "x-prefix-key"
 
-_CONTINUE_REQUEST_HEADERS = pb.ProcessingResponse(request_headers=pb.HeadersResponse())
-_CONTINUE_REQUEST_BODY = pb.ProcessingResponse(request_body=pb.BodyResponse())
-_CONTINUE_RESPONSE_HEADERS = pb.ProcessingResponse(response_headers=pb.HeadersResponse())
-_CONTINUE_RESPONSE_BODY = pb.ProcessingResponse(response_body=pb.BodyResponse())
+
+def _serialized(response: pb.ProcessingResponse) -> bytes:
+    return response.SerializeToString()  # type: ignore[no-any-return]
 
 
-def _route_response(header_value: str) -> pb.ProcessingResponse:
-    return pb.ProcessingResponse(
-        request_body=pb.BodyResponse(
-            response=pb.CommonResponse(
-                header_mutation=pb.HeaderMutation(
-                    set_headers=[
-                        base_pb2.HeaderValueOption(
-                            header=base_pb2.HeaderValue(
-                                key=PREFIX_KEY_HEADER, raw_value=header_value.encode()
-                            ),
-                            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-                        )
-                    ]
+CONTINUE = {
+    "request_headers": _serialized(pb.ProcessingResponse(request_headers=pb.HeadersResponse())),
+    "request_body": _serialized(pb.ProcessingResponse(request_body=pb.BodyResponse())),
+    "response_headers": _serialized(pb.ProcessingResponse(response_headers=pb.HeadersResponse())),
+    "response_body": _serialized(pb.ProcessingResponse(response_body=pb.BodyResponse())),
+    "request_trailers": _serialized(pb.ProcessingResponse(request_trailers=pb.TrailersResponse())),
+    "response_trailers": _serialized(
+        pb.ProcessingResponse(response_trailers=pb.TrailersResponse())
+    ),
+}
+"""Answers that change nothing, by the message they answer."""
+_CONTINUE_BODY = CONTINUE["request_body"]
+
+
+def route_response(header_value: str) -> bytes:
+    """The body answer that sets ``x-prefix-key``: what Envoy's ring hash reads."""
+    return _serialized(
+        pb.ProcessingResponse(
+            request_body=pb.BodyResponse(
+                response=pb.CommonResponse(
+                    header_mutation=pb.HeaderMutation(
+                        set_headers=[
+                            base_pb2.HeaderValueOption(
+                                header=base_pb2.HeaderValue(
+                                    key=PREFIX_KEY_HEADER, raw_value=header_value.encode()
+                                ),
+                                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                            )
+                        ]
+                    )
                 )
             )
         )
     )
 
 
-def _header(value: Any) -> str:
+def _header(value: base_pb2.HeaderValue) -> str:
     raw: bytes = value.raw_value
     return raw.decode("latin-1") if raw else str(value.value)
 
 
-class ExternalProcessor(pb_grpc.ExternalProcessorServicer):  # type: ignore[misc]
+class ExternalProcessor:
+    """ext_proc's method: a :class:`ProcessingSession` per stream, over one router."""
+
     def __init__(self, router: RequestRouter) -> None:
         self.router = router
         self.open_streams = 0
 
-    async def Process(  # noqa: N802 - the gRPC method name
-        self, request_iterator: AsyncIterator[pb.ProcessingRequest], context: Any
-    ) -> AsyncIterator[pb.ProcessingResponse]:
-        router = self.router
-        tenant_header = router.table.config.tenant_header
-        path = ""
-        tenant = ""
-        request_id = ""
-        result: RouteResult | None = None
+    def open(self) -> ProcessingSession:
         self.open_streams += 1
-        reset = True  # unless the loop below ends: a cancellation is Envoy's reset
+        return ProcessingSession(self)
+
+
+class ProcessingSession:
+    """One ext_proc stream, that is one HTTP request through Envoy."""
+
+    __slots__ = ("_processor", "_path", "_tenant", "_request_id", "_routing", "_result", "_ended")
+
+    def __init__(self, processor: ExternalProcessor) -> None:
+        self._processor = processor
+        self._path = ""
+        self._tenant = ""
+        self._request_id = ""
+        self._routing = False
+        self._result: RouteResult | None = None
+        self._ended = False
+
+    def on_message(self, message: bytes) -> Answer:
         try:
-            async for message in request_iterator:
-                kind = message.WhichOneof("request")
-                if kind == "request_headers":
-                    for h in message.request_headers.headers.headers:
-                        name = h.key
-                        if name == ":path":
-                            path = _header(h)
-                        elif name == tenant_header:
-                            tenant = _header(h)
-                        elif name == "x-request-id":
-                            request_id = _header(h)
-                    yield _CONTINUE_REQUEST_HEADERS
-                elif kind == "request_body":
-                    if result is not None:  # a later chunk (streamed body): nothing to add
-                        yield _CONTINUE_REQUEST_BODY
-                        continue
-                    body = message.request_body
-                    try:
-                        result = await router.route(
-                            body.body,
-                            path=path,
-                            tenant=tenant,
-                            complete=body.end_of_stream,
-                            request_id=request_id,
-                        )
-                    except Exception as exc:  # the data path never fails a request
-                        router.callbacks.on_error(exc)
-                        log.exception(
-                            "routing failed; request goes on unrouted",
-                            extra={"request_id": request_id},
-                        )
-                        yield _CONTINUE_REQUEST_BODY
-                        continue
-                    header_value = result.decision.header_value
-                    yield (
-                        _route_response(header_value)
-                        if header_value is not None
-                        else _CONTINUE_REQUEST_BODY
-                    )
-                elif kind == "response_headers":
-                    yield _CONTINUE_RESPONSE_HEADERS  # then read on: Envoy's close ends the loop
-                elif kind == "response_body":
-                    yield _CONTINUE_RESPONSE_BODY
-                else:
-                    log.debug("ignoring ext_proc message %s", kind)
-            reset = False
-        finally:
-            self.open_streams -= 1
-            if result is not None:
-                router.finish(result)
-            router.callbacks.on_stream_end(reset)
+            request = pb.ProcessingRequest.FromString(message)
+        except DecodeError as exc:
+            raise GrpcError(StatusCode.INVALID_ARGUMENT, f"not a ProcessingRequest: {exc}") from exc
+        kind = request.WhichOneof("request")
+        if kind == "request_headers":
+            tenant_header = self._processor.router.table.config.tenant_header
+            for h in request.request_headers.headers.headers:
+                name = h.key
+                if name == ":path":
+                    self._path = _header(h)
+                elif name == tenant_header:
+                    self._tenant = _header(h)
+                elif name == "x-request-id":
+                    self._request_id = _header(h)
+        elif kind == "request_body" and not self._routing:
+            self._routing = True  # later chunks of a streamed body: nothing to add
+            return self._route(request.request_body)
+        return CONTINUE.get(kind or "")
+
+    async def _route(self, body: pb.HttpBody) -> bytes:
+        router = self._processor.router
+        try:
+            result = await router.route(
+                body.body,
+                path=self._path,
+                tenant=self._tenant,
+                complete=body.end_of_stream,
+                request_id=self._request_id,
+            )
+        except Exception as exc:  # the data path never fails a request
+            router.callbacks.on_error(exc)
+            log.exception(
+                "routing failed; request goes on unrouted",
+                extra={"request_id": self._request_id},
+            )
+            return _CONTINUE_BODY
+        if self._ended:  # Envoy ended the stream while we routed: nothing holds the count
+            router.finish(result)
+            return _CONTINUE_BODY
+        self._result = result
+        header_value = result.decision.header_value
+        return _CONTINUE_BODY if header_value is None else route_response(header_value)
+
+    def on_end(self, cancelled: bool) -> None:
+        """The stream is over: give back the request's in-flight count."""
+        if self._ended:
+            return
+        self._ended = True
+        processor = self._processor
+        processor.open_streams -= 1
+        if self._result is not None:
+            processor.router.finish(self._result)
+        processor.router.callbacks.on_stream_end(cancelled)

@@ -1,8 +1,8 @@
 """Hostile bodies: key extraction and the ext_proc message handler never raise.
 
 Property-based (hypothesis): huge, deeply nested, invalid UTF-8, wrong types,
-empty and truncated bodies. The handler is driven with real protobuf messages
-through its gRPC method, with the in-process load store.
+empty and truncated bodies. The ext_proc session is driven with real serialized
+protobuf messages, as both gRPC servers drive it, with the in-process load store.
 """
 
 from __future__ import annotations
@@ -10,7 +10,6 @@ from __future__ import annotations
 import asyncio
 import json
 import time
-from collections.abc import AsyncIterator
 from typing import Any
 
 import pytest
@@ -20,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ext_proc.router import RequestRouter
-from ext_proc.servicer import ExternalProcessor
+from ext_proc.servicer import ExternalProcessor, ProcessingSession
 from prefix_router.config import PrefixMode, RouterConfig
 from prefix_router.fleet import Fleet, Instance
 from prefix_router.loads import InMemoryLoadStore
@@ -95,7 +94,8 @@ def header(key: str, value: str) -> base_pb2.HeaderValue:
     return base_pb2.HeaderValue(key=key, raw_value=value.encode("utf-8", "surrogatepass"))
 
 
-async def messages(body: bytes, path: str, tenant: str) -> AsyncIterator[pb.ProcessingRequest]:
+def messages(body: bytes, path: str, tenant: str) -> list[bytes]:
+    """What Envoy sends on one stream, serialized: headers, body, response headers."""
     headers = pb.HttpHeaders(
         headers=base_pb2.HeaderMap(
             headers=[
@@ -105,9 +105,13 @@ async def messages(body: bytes, path: str, tenant: str) -> AsyncIterator[pb.Proc
             ]
         )
     )
-    yield pb.ProcessingRequest(request_headers=headers)
-    yield pb.ProcessingRequest(request_body=pb.HttpBody(body=body, end_of_stream=True))
-    yield pb.ProcessingRequest(response_headers=pb.HttpHeaders())
+    return [
+        pb.ProcessingRequest(request_headers=headers).SerializeToString(),
+        pb.ProcessingRequest(
+            request_body=pb.HttpBody(body=body, end_of_stream=True)
+        ).SerializeToString(),
+        pb.ProcessingRequest(response_headers=pb.HttpHeaders()).SerializeToString(),
+    ]
 
 
 ROUTER = RequestRouter(
@@ -118,18 +122,29 @@ ROUTER = RequestRouter(
 )
 
 
-async def run_handler(body: bytes, path: str, tenant: str) -> list[Any]:
-    servicer = ExternalProcessor(ROUTER)  # the fake client half-closes, as Envoy does
-    return [r async for r in servicer.Process(messages(body, path, tenant), None)]
+async def answer(session: ProcessingSession, message: bytes) -> pb.ProcessingResponse:
+    reply = session.on_message(message)
+    if reply is not None and not isinstance(reply, bytes):
+        reply = await reply
+    assert reply is not None
+    return pb.ProcessingResponse.FromString(reply)
+
+
+async def run_session(body: bytes, path: str, tenant: str) -> list[pb.ProcessingResponse]:
+    session = ExternalProcessor(ROUTER).open()
+    try:
+        return [await answer(session, m) for m in messages(body, path, tenant)]
+    finally:
+        session.on_end(cancelled=False)  # Envoy half-closes the stream
 
 
 @settings(max_examples=300, deadline=None, suppress_health_check=[HealthCheck.too_slow])
 @given(body=hostile_bodies(), path=PATHS, tenant=st.text(max_size=20))
-def test_the_handler_answers_every_message_and_releases_its_count(
+def test_the_session_answers_every_message_and_releases_its_count(
     body: bytes, path: str, tenant: str
 ) -> None:
     started = time.perf_counter()
-    responses = asyncio.run(run_handler(body, path, tenant))
+    responses = asyncio.run(run_session(body, path, tenant))
     assert time.perf_counter() - started < 1.0  # bounded, with room for a busy machine
     kinds = [r.WhichOneof("response") for r in responses]
     assert kinds == ["request_headers", "request_body", "response_headers"]
@@ -138,38 +153,46 @@ def test_the_handler_answers_every_message_and_releases_its_count(
     assert asyncio.run(ROUTER.store.in_flight()) == {}
 
 
-@pytest.mark.parametrize("end", ["half-close", "reset"])
-async def test_the_count_is_held_until_envoy_ends_the_stream(end: str) -> None:
-    """After the response headers the handler reads on: the request is in flight until
-    Envoy ends the stream, by a half-close (graceful close, our bootstrap) or a reset
-    (a cancellation: a client abort on an Envoy without it). Either gives the count back."""
-    close = asyncio.Event()
-
-    async def envoy() -> AsyncIterator[pb.ProcessingRequest]:
-        async for message in messages(b'{"model": "m", "prompt": "hi"}', "/v1/completions", ""):
-            yield message
-        await close.wait()  # the response streams
-
+@pytest.mark.parametrize("cancelled", [False, True])
+async def test_the_count_is_held_until_the_stream_ends(cancelled: bool) -> None:
+    """The request is in flight from its routing until Envoy ends the stream, by a
+    half-close (graceful close, our bootstrap) or a reset (a client abort on an Envoy
+    without it). Either gives the count back, once."""
     store = InMemoryLoadStore()
-    servicer = ExternalProcessor(RequestRouter(ROUTER.table, store))
-    answered: list[Any] = []
+    processor = ExternalProcessor(RequestRouter(ROUTER.table, store))
+    session = processor.open()
+    for message in messages(b'{"model": "m", "prompt": "hi"}', "/v1/completions", ""):
+        await answer(session, message)
+    assert sum((await store.in_flight()).values()) == 1 and processor.open_streams == 1
+    session.on_end(cancelled)
+    session.on_end(cancelled)  # a second end changes nothing
+    assert sum((await store.in_flight()).values()) == 0 and processor.open_streams == 0
 
-    async def run() -> None:
-        async for response in servicer.Process(envoy(), None):
-            answered.append(response)
 
-    stream = asyncio.create_task(run())
-    for _ in range(200):
-        if len(answered) == 3:
-            break
-        await asyncio.sleep(0.005)
-    await asyncio.sleep(0.05)
-    assert len(answered) == 3 and not stream.done()
-    assert sum((await store.in_flight()).values()) == 1 and servicer.open_streams == 1
-    if end == "half-close":
-        close.set()
-        await asyncio.wait_for(stream, 1.0)
-    else:
-        stream.cancel()
-        await asyncio.gather(stream, return_exceptions=True)
-    assert sum((await store.in_flight()).values()) == 0 and servicer.open_streams == 0
+class GatedStore(InMemoryLoadStore):
+    """Counts in process, but a reservation waits for ``gate``: a slow Redis."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.gate = asyncio.Event()
+
+    async def reserve(self, *args: Any, **kwargs: Any) -> Any:
+        await self.gate.wait()
+        return await super().reserve(*args, **kwargs)
+
+
+async def test_a_stream_that_ends_while_its_request_is_routed_gives_the_count_back() -> None:
+    store = GatedStore()
+    processor = ExternalProcessor(RequestRouter(ROUTER.table, store))
+    session = processor.open()
+    headers, body, _ = messages(b'{"model": "m", "prompt": "hi"}', "/v1/completions", "")
+    await answer(session, headers)
+    routing = session.on_message(body)
+    assert routing is not None and not isinstance(routing, bytes)
+    pending = asyncio.ensure_future(routing)
+    await asyncio.sleep(0.01)
+    session.on_end(cancelled=True)  # the client went away mid-decision
+    store.gate.set()
+    reply = await pending
+    assert pb.ProcessingResponse.FromString(reply).WhichOneof("response") == "request_body"
+    assert sum((await store.in_flight()).values()) == 0 and processor.open_streams == 0
