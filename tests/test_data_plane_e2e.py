@@ -37,13 +37,26 @@ def stack(procs: ProcessReaper, log_dir: Path) -> StaticStack:
     return start_static_stack(procs, log_dir, backends=3)
 
 
+@pytest.fixture(params=["http2", "grpcio"])
+def any_transport_stack(
+    request: pytest.FixtureRequest, procs: ProcessReaper, log_dir: Path
+) -> StaticStack:
+    """ext_proc on our HTTP/2 server (the default) or on grpcio (the fallback)."""
+    return start_static_stack(
+        procs, log_dir, backends=3, ext_proc_args=["--transport", request.param]
+    )
+
+
 def test_one_prefix_lands_on_one_backend(stack: StaticStack) -> None:
     with httpx.Client(timeout=10) as client:
         seen = {post(client, stack, chat("the same prompt"))["backend"] for _ in range(50)}
     assert len(seen) == 1
 
 
-def test_distinct_prefixes_reach_every_backend_as_the_mirror_predicts(stack: StaticStack) -> None:
+def test_distinct_prefixes_reach_every_backend_as_the_mirror_predicts(
+    any_transport_stack: StaticStack,
+) -> None:
+    stack = any_transport_stack
     ring = Ring.build(stack.fleet.routable, minimum_ring_size=256 * 3)
     seen: Counter[str] = Counter()
     with httpx.Client(timeout=10) as client:

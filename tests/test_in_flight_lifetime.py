@@ -61,14 +61,17 @@ def metrics_port() -> int:
     return free_port()
 
 
-@pytest.fixture
-def stack(procs: ProcessReaper, log_dir: Path, metrics_port: int) -> StaticStack:
+@pytest.fixture(params=["http2", "grpcio"])
+def stack(
+    request: pytest.FixtureRequest, procs: ProcessReaper, log_dir: Path, metrics_port: int
+) -> StaticStack:
+    """On both of ext_proc's transports: each must end the session with the stream."""
     return start_static_stack(
         procs,
         log_dir,
         backends=2,
         sim_args=["--time-scale", "1"],
-        ext_proc_args=["--metrics-port", str(metrics_port)],
+        ext_proc_args=["--metrics-port", str(metrics_port), "--transport", request.param],
     )
 
 
