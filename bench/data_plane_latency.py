@@ -7,8 +7,11 @@ same static fleet: one with the filter turned off, one through the bare ext_proc
 one through each of prefix-router's. The bare one is the yardstick that does not
 depend on the machine: what a Python ext_proc on grpcio costs at all.
 For 1 KB and 64 KB OpenAI chat bodies it measures, with wrk, latency p50/p99 at
-concurrency 1 and requests/s at concurrency 16, and prints a markdown table
-(also written to bench/results/data_plane_latency.md).
+concurrency 1 and requests/s at concurrency 16, and during the latter the ext_proc
+processes' CPU time per request: its inverse is the requests/s one process serves
+on a core of its own, a figure the other processes on the machine move much less
+than they move requests/s (Envoy, wrk and the backends share its two cores). It
+prints a markdown table (also written to bench/results/data_plane_latency.md).
 
     python bench/data_plane_latency.py [--ext-procs 1] [--seconds 8]
 """
@@ -17,9 +20,10 @@ from __future__ import annotations
 
 import argparse
 import tempfile
+from collections.abc import Callable
 from pathlib import Path
 
-from _harness import ROOT, chat_body, run_wrk
+from _harness import ROOT, chat_body, cpu_seconds, run_wrk
 
 from prefix_router.config import RouterConfig
 from prefix_router.envoy_bootstrap import BootstrapParams
@@ -58,29 +62,27 @@ def main() -> None:
         )
         fleet = Fleet.of([Instance("127.0.0.1", p) for p in ports])
         config = RouterConfig()
-        ep_ports = [free_port() for _ in range(args.ext_procs)]
-        grpcio_ports = [free_port() for _ in range(args.ext_procs)]
-        bare_ports = [free_port() for _ in range(args.ext_procs)]
         ep_args = [a for p in ports for a in ("--backend", f"127.0.0.1:{p}")]
         if args.redis_url:
             ep_args += ["--redis-url", args.redis_url, "--namespace", "bench-dp:"]
-        for port in ep_ports:
-            started.append(start_ext_proc(port, logs, args=ep_args))
-        for port in grpcio_ports:
-            started.append(start_ext_proc(port, logs, args=[*ep_args, "--transport", "grpcio"]))
-        for port in bare_ports:
-            started.append(
-                start_module(
-                    f"bare-{port}", "bench.bare_ext_proc", [str(port)], logs, ready_ports=[port]
-                )
+
+        def ours(transport: str) -> Callable[[int], ManagedProcess]:
+            extra = ["--transport", transport]
+            return lambda port: start_ext_proc(port, logs, args=[*ep_args, *extra])
+
+        def bare(port: int) -> ManagedProcess:
+            return start_module(
+                f"bare-{port}", "bench.bare_ext_proc", [str(port)], logs, ready_ports=[port]
             )
+
+        starters = {"bare": bare, "ext_proc": ours("http2"), "ext_proc_grpcio": ours("grpcio")}
+        pids: dict[str, list[int]] = {"direct": []}
         urls = {}
-        for name, eps in (
-            ("direct", []),
-            ("bare", bare_ports),
-            ("ext_proc", ep_ports),
-            ("ext_proc_grpcio", grpcio_ports),
-        ):
+        for name in PATHS:
+            eps = [free_port() for _ in range(args.ext_procs)] if name in starters else []
+            for port in eps:
+                started.append(starters[name](port))
+                pids.setdefault(name, []).append(started[-1].pid)
             params = BootstrapParams(
                 listen_port=free_port(),
                 admin_port=free_port(),
@@ -105,19 +107,23 @@ def main() -> None:
                 name: run_wrk(url, body, connections=1, threads=1, seconds=args.seconds)
                 for name, url in urls.items()
             }
-            rate = {
-                name: run_wrk(url, body, connections=16, threads=2, seconds=args.seconds)
-                for name, url in urls.items()
-            }
+            rate, cpu_us = {}, {}
+            for name, url in urls.items():
+                before = sum(cpu_seconds(pid) for pid in pids[name])
+                rate[name] = run_wrk(url, body, connections=16, threads=2, seconds=args.seconds)
+                used = sum(cpu_seconds(pid) for pid in pids[name]) - before
+                cpu_us[name] = used / (rate[name]["rps"] * args.seconds) * 1e6
             direct = latency["direct"]
             for name, label in PATHS.items():
                 r, t = latency[name], rate[name]
                 added = ["-", "-"]
+                cpu = "-"
                 if name != "direct":
                     added = [f"**{r[q] - direct[q]:+.2f}**" for q in ("p50", "p99")]
+                    cpu = f"{cpu_us[name]:.0f} us = **{1e6 / cpu_us[name]:,.0f}**"
                 rows.append(
                     f"| {size // 1024} KB | {label} | {r['p50']:.2f} | {r['p99']:.2f} | "
-                    f"{added[0]} | {added[1]} | **{t['rps']:.0f}** | "
+                    f"{added[0]} | {added[1]} | **{t['rps']:.0f}** | {cpu} | "
                     f"{int(r['errors'] + t['errors'])} |"
                 )
         table = "\n".join(
@@ -126,8 +132,8 @@ def main() -> None:
                 f"load store: {'Redis' if args.redis_url else 'in-process'}",
                 "",
                 "| body | path | p50 ms | p99 ms | added p50 ms | added p99 ms "
-                "| req/s (c16) | non-2xx |",
-                "|---|---|---|---|---|---|---|---|",
+                "| req/s (c16) | ext_proc CPU a request = req/s a core | non-2xx |",
+                "|---|---|---|---|---|---|---|---|---|",
                 *rows,
             ]
         )

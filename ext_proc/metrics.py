@@ -81,13 +81,14 @@ class PrometheusCallbacks(RouterCallbacks):
             "asyncio tasks alive in this process (a leak shows as growth at rest).",
             registry=self.registry,
         )
-        for outcome in (*Outcome, "error"):
-            self.decisions.labels(str(outcome))
-        for reason in Fallback:
-            self.fallbacks.labels(reason.value)
+        # Children looked up once: labels() costs more than the increment (hot path).
+        self._decided = {o: self.decisions.labels(o.value) for o in Outcome}
+        self._errors = self.decisions.labels("error")
+        self._fallen_back = {r: self.fallbacks.labels(r.value) for r in Fallback}
+        self._in_flight_of: dict[str, Gauge] = {}
 
     def on_decision(self, decision: Decision, seconds: float, request_id: str) -> None:
-        self.decisions.labels(decision.outcome.value).inc()
+        self._decided[decision.outcome].inc()
         self.decision_seconds.observe(seconds)
         if decision.outcome is Outcome.SPILLED:
             log.info(
@@ -101,17 +102,23 @@ class PrometheusCallbacks(RouterCallbacks):
                 },
             )
 
+    def _in_flight(self, instance_id: str) -> Gauge:
+        child = self._in_flight_of.get(instance_id)
+        if child is None:
+            child = self._in_flight_of[instance_id] = self.in_flight.labels(instance_id)
+        return child
+
     def on_reserved(self, instance_id: str) -> None:
-        self.in_flight.labels(instance_id).inc()
+        self._in_flight(instance_id).inc()
 
     def on_finished(self, instance_id: str) -> None:
-        self.in_flight.labels(instance_id).dec()
+        self._in_flight(instance_id).dec()
 
     def on_fallback(self, reason: Fallback) -> None:
-        self.fallbacks.labels(reason.value).inc()
+        self._fallen_back[reason].inc()
 
     def on_error(self, error: BaseException) -> None:
-        self.decisions.labels("error").inc()
+        self._errors.inc()
 
     def on_stream_end(self, reset: bool) -> None:
         (self._reset if reset else self._closed).inc()

@@ -9,6 +9,8 @@ from __future__ import annotations
 import hpack
 import pytest
 from hyperframe.frame import DataFrame, Frame, HeadersFrame, SettingsFrame, WindowUpdateFrame
+from hypothesis import given, settings
+from hypothesis import strategies as st
 
 from ext_proc.http2.frames import (
     ErrorCode,
@@ -27,6 +29,7 @@ from ext_proc.http2.frames import (
     split_frames,
     strip_padding,
 )
+from ext_proc.http2.header_decoding import HeaderBlockDecoder
 
 
 def parse_with_hyperframe(raw: bytes) -> Frame:
@@ -126,3 +129,60 @@ def test_literal_headers_decode_and_leave_the_peer_table_empty() -> None:
     decoder = hpack.Decoder()
     assert decoder.decode(encode_literal_headers(headers)) == headers
     assert len(decoder.header_table.dynamic_entries) == 0
+
+
+header_lists = st.lists(
+    st.tuples(
+        st.sampled_from([":path", ":method", "x-a", "x-b", "content-type", "te"]),
+        st.sampled_from(["/a", "/b", "POST", "v1", "v2", "application/grpc"]),
+    ),
+    min_size=1,
+    max_size=6,
+)
+
+
+def decoded(decoder: hpack.Decoder | HeaderBlockDecoder, block: bytes) -> object:
+    """What a decoder makes of ``block``: its headers, or the kind of error it raised."""
+    try:
+        headers = (
+            decoder.decode(block, raw=True)
+            if isinstance(decoder, hpack.Decoder)
+            else decoder.decode(block)
+        )
+        return [(k, v) for k, v in headers]
+    except (hpack.HPACKError, ValueError) as exc:
+        return type(exc)
+
+
+@settings(max_examples=300, deadline=None)
+@given(
+    steps=st.lists(
+        st.tuples(header_lists, st.sampled_from([None, 0, 64, 4096]), st.integers(0, 40)),
+        max_size=30,
+    )
+)
+def test_cached_header_decoding_always_equals_a_full_decode(
+    steps: list[tuple[list[tuple[str, str]], int | None, int]],
+) -> None:
+    """Whatever the peer's encoder does with its table (indexing, resizing it to zero and
+    back), and even when old blocks come again out of context, the decoder that
+    remembers blocks answers exactly what a plain one does."""
+    encoder, reference = hpack.Encoder(), hpack.Decoder()
+    ours = HeaderBlockDecoder(max_header_list_size=65_536)
+    sent: list[bytes] = []
+    for headers, resize, replay in steps:
+        if resize is not None:
+            encoder.header_table_size = resize
+        sent.append(encoder.encode(headers))
+        for block in (sent[-1], sent[replay % len(sent)]):
+            assert decoded(ours, block) == decoded(reference, block)
+
+
+def test_repeated_blocks_under_a_zero_table_are_not_decoded_again() -> None:
+    encoder = hpack.Encoder()
+    encoder.header_table_size = 0
+    ours = HeaderBlockDecoder(max_header_list_size=65_536)
+    ours.decode(encoder.encode([(":path", "/x")]))  # carries the size update: decoded
+    block = encoder.encode([(":path", "/envoy.service.ext_proc.v3.ExternalProcessor/Process")])
+    first = ours.decode(block)
+    assert ours.decode(block) is first

@@ -13,10 +13,11 @@ and priority fields stripped), DATA with END_STREAM, RST_STREAM, PING, GOAWAY
 (both ways, and a graceful :meth:`Http2Connection.close_gracefully`), and flow
 control both ways: the receive windows are topped up as data arrives (the
 layer above bounds what it buffers), the send windows hold back what the peer
-has no room for until its WINDOW_UPDATE. Header blocks are decoded with the
-``hpack`` package; our own are HPACK literals that never touch the peer's
-dynamic table (:mod:`ext_proc.http2.frames`). No server push, no priorities
-(both optional to honour), no TLS (Envoy reaches ext_proc over plain TCP).
+has no room for until its WINDOW_UPDATE. The client's header blocks are decoded
+with the ``hpack`` package, once per distinct block (we ask the client not to use
+its dynamic table: :mod:`ext_proc.http2.header_decoding`); ours are HPACK literals
+that never touch the client's table (:mod:`ext_proc.http2.frames`). No server push,
+no priorities (both optional to honour), no TLS (Envoy reaches ext_proc over plain TCP).
 
 Protocol violations end the connection with a GOAWAY that names the error
 (a connection error) or reset one stream (a stream error), as the RFC says.
@@ -55,10 +56,11 @@ from ext_proc.http2.frames import (
     split_frames,
     strip_padding,
 )
+from ext_proc.http2.header_decoding import TABLE_SIZE as HEADER_TABLE_SIZE
+from ext_proc.http2.header_decoding import HeaderBlockDecoder, Headers
 
 log = logging.getLogger("prefix_router.ext_proc.http2")
 
-Headers = list[tuple[bytes, bytes]]
 
 STREAM_WINDOW = 16 * 1024 * 1024
 """Receive window we give each stream: a 16 MiB body arrives without waiting for us."""
@@ -116,7 +118,7 @@ class Http2Connection(asyncio.Protocol):
         self._transport: asyncio.Transport | None = None
         self._buffer = bytearray()
         self._preface_seen = False
-        self._decoder = hpack.Decoder(max_header_list_size=MAX_HEADER_LIST_SIZE)
+        self._decoder = HeaderBlockDecoder(MAX_HEADER_LIST_SIZE)
         self._streams: dict[int, _Stream] = {}
         self._last_stream_id = 0
         self._continuation: tuple[int, int, bytearray] | None = None
@@ -126,9 +128,12 @@ class Http2Connection(asyncio.Protocol):
         self._send_window = DEFAULT_WINDOW
         self._recv_window = CONNECTION_WINDOW
         self._out: list[bytes] | None = None
-        """Frames to write at the end of the current read (None outside a read)."""
+        """Frames not yet written: they go out in one write at the end of the read, or of
+        the event-loop iteration, that produced them."""
+        self._reading = False
         self._going_away = False
-        self._close_after_read = False
+        self._close_after_write = False
+        self._loop = asyncio.get_running_loop()
         self._closed = asyncio.get_running_loop().create_future()
 
     # -- asyncio.Protocol -------------------------------------------------------------------
@@ -138,6 +143,7 @@ class Http2Connection(asyncio.Protocol):
         transport.write(
             encode_settings(
                 [
+                    (Setting.HEADER_TABLE_SIZE, HEADER_TABLE_SIZE),
                     (Setting.ENABLE_PUSH, 0),
                     (Setting.INITIAL_WINDOW_SIZE, STREAM_WINDOW),
                     (Setting.MAX_FRAME_SIZE, MAX_FRAME_SIZE),
@@ -160,20 +166,17 @@ class Http2Connection(asyncio.Protocol):
                 return
             del buffer[: len(PREFACE)]
             self._preface_seen = True
-        out: list[bytes] = []
-        self._out = out
+        self._reading = True
         try:
             for kind, flags, stream_id, payload in split_frames(buffer, MAX_FRAME_SIZE):
                 self._on_frame(kind, flags, stream_id, payload)
         except H2ConnectionError as exc:
-            self._out = None
-            self._write_now(out)
+            self._flush()
             self._fail(exc.code, str(exc))
             return
-        self._out = None
-        self._write_now(out)
-        if self._close_after_read and self._transport is not None:
-            self._transport.close()
+        finally:
+            self._reading = False
+        self._flush()
 
     def connection_lost(self, exc: Exception | None) -> None:
         streams, self._streams = self._streams, {}
@@ -208,8 +211,7 @@ class Http2Connection(asyncio.Protocol):
             return
         self._going_away = True
         self._write(encode_goaway(self._last_stream_id, ErrorCode.NO_ERROR))
-        if not self._streams:
-            self._transport.close()
+        self._close_if_gone_away()
 
     def abort(self) -> None:
         """Close now; open streams are reset (their listeners are told)."""
@@ -309,7 +311,7 @@ class Http2Connection(asyncio.Protocol):
 
     def _on_header_block(self, stream_id: int, flags: int, block: bytes) -> None:
         try:  # decoded even for a stream we refuse: the decoder's table must follow
-            headers: Headers = self._decoder.decode(block, raw=True)  # type: ignore[assignment]
+            headers = self._decoder.decode(block)
         except (hpack.HPACKError, ValueError) as exc:
             raise H2ConnectionError(
                 ErrorCode.COMPRESSION_ERROR, f"bad header block: {exc}"
@@ -476,17 +478,24 @@ class Http2Connection(asyncio.Protocol):
             if self._out is None:
                 self._transport.close()
             else:
-                self._close_after_read = True  # after this read's frames are written
+                self._close_after_write = True
 
     def _write(self, frame: bytes) -> None:
-        if self._out is not None:
-            self._out.append(frame)
-        elif self._transport is not None:
-            self._transport.write(frame)
+        out = self._out
+        if out is not None:
+            out.append(frame)
+            return
+        self._out = [frame]
+        if not self._reading:  # an answer that was awaited: others may join it this turn
+            self._loop.call_soon(self._flush)
 
-    def _write_now(self, frames: list[bytes]) -> None:
-        if frames and self._transport is not None:
-            self._transport.write(b"".join(frames) if len(frames) > 1 else frames[0])
+    def _flush(self) -> None:
+        out, self._out = self._out, None
+        transport = self._transport
+        if out and transport is not None:
+            transport.write(b"".join(out) if len(out) > 1 else out[0])
+            if self._close_after_write:
+                transport.close()
 
     # -- errors -----------------------------------------------------------------------------
 
@@ -501,5 +510,6 @@ class Http2Connection(asyncio.Protocol):
     def _fail(self, code: ErrorCode, message: str) -> None:
         log.warning("HTTP/2 connection error %s: %s", code.name, message)
         if self._transport is not None:
+            self._flush()
             self._transport.write(encode_goaway(self._last_stream_id, code, message))
             self._transport.close()

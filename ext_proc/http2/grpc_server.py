@@ -30,8 +30,9 @@ from enum import IntEnum
 from typing import Protocol
 from urllib.parse import quote
 
-from ext_proc.http2.connection import Headers, Http2Connection
+from ext_proc.http2.connection import Http2Connection
 from ext_proc.http2.frames import STATUS_200, encode_literal_headers
+from ext_proc.http2.header_decoding import Headers
 
 log = logging.getLogger("prefix_router.ext_proc.http2")
 
