@@ -365,3 +365,19 @@ async def test_a_header_block_that_does_not_decode_is_a_compression_error(served
     server, _ = served
     code = await goaway_for(server, PREFACE + encode_frame(1, 0x4, 1, b"\xff\xff\xff\xff"))
     assert code == ErrorCode.COMPRESSION_ERROR
+
+
+async def test_a_client_that_never_reads_stops_being_read(served: tuple) -> None:
+    """Backpressure: a flood of PINGs whose ACKs nobody reads fills our write buffer only
+    to asyncio's high-water mark; then we stop reading, and the kernel holds the rest."""
+    server, _ = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(PREFACE + encode_frame(4, 0, 0))
+    pings = encode_frame(6, 0, 0, b"12345678") * 1000
+    for _ in range(400):  # 6.8 MB of PINGs: as many bytes of ACKs
+        writer.write(pings)
+    await asyncio.sleep(2.0)
+    (connection,) = server._connections  # private: the server's side of this connection
+    assert connection._transport is not None
+    assert connection._transport.get_write_buffer_size() < 1_000_000
+    writer.close()

@@ -178,6 +178,15 @@ class Http2Connection(asyncio.Protocol):
             self._reading = False
         self._flush()
 
+    def pause_writing(self) -> None:
+        """The peer reads slower than we answer: read no more until it catches up."""
+        if self._transport is not None:
+            self._transport.pause_reading()
+
+    def resume_writing(self) -> None:
+        if self._transport is not None:
+            self._transport.resume_reading()
+
     def connection_lost(self, exc: Exception | None) -> None:
         streams, self._streams = self._streams, {}
         for stream in streams.values():
