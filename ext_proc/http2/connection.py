@@ -208,12 +208,6 @@ class Http2Connection(asyncio.Protocol):
         """DATA on a stream, held back (in order) while the peer's windows are full."""
         self._send(stream_id, data, is_data=True, end_stream=end_stream)
 
-    def reset_stream(self, stream_id: int, code: ErrorCode = ErrorCode.CANCEL) -> None:
-        """End a stream at once (RST_STREAM); its listener is not called again."""
-        stream = self._streams.pop(stream_id, None)
-        if stream is not None:
-            self._write(encode_rst_stream(stream_id, code))
-
     def close_gracefully(self) -> None:
         """GOAWAY: no new streams; the connection closes when its open streams have ended."""
         if self._going_away or self._transport is None:
@@ -299,6 +293,8 @@ class Http2Connection(asyncio.Protocol):
             stream.remote_closed = True
         assert stream.listener is not None
         stream.listener.data_received(strip_padding(flags, payload), end)
+        if end:
+            self._forget_if_done(stream)
 
     def _on_headers(self, flags: int, stream_id: int, payload: bytes) -> None:
         fragment = header_block_fragment(flags, payload)
@@ -340,6 +336,7 @@ class Http2Connection(asyncio.Protocol):
             stream.remote_closed = True
             assert stream.listener is not None
             stream.listener.data_received(b"", True)
+            self._forget_if_done(stream)
             return
         if stream_id % 2 == 0 or stream_id <= self._last_stream_id:
             raise H2ConnectionError(
@@ -352,9 +349,10 @@ class Http2Connection(asyncio.Protocol):
         stream = _Stream(stream_id, self._peer_initial_window)
         self._streams[stream_id] = stream
         stream.listener = self._open_stream(self, stream_id, headers)
-        if end and stream_id in self._streams:
+        if end:
             stream.remote_closed = True
             stream.listener.data_received(b"", True)
+            self._forget_if_done(stream)
 
     def _on_rst_stream(self, stream_id: int, payload: bytes) -> None:
         code = parse_rst_stream(payload)
@@ -430,7 +428,7 @@ class Http2Connection(asyncio.Protocol):
         if stream.backlog:
             stream.backlog.append((payload, is_data, end_stream))
         elif self._send_now(stream, payload, is_data, end_stream) and end_stream:
-            self._ended_locally(stream)
+            self._forget_if_done(stream)
 
     def _send_now(self, stream: _Stream, payload: bytes, is_data: bool, end_stream: bool) -> bool:
         """Write what flow control allows now; keep the rest in the stream's backlog.
@@ -466,7 +464,7 @@ class Http2Connection(asyncio.Protocol):
                 stream.backlog.extend(backlog[index + 1 :])
                 return
             if end_stream:
-                self._ended_locally(stream)
+                self._forget_if_done(stream)
 
     def _flush_backlogs(self) -> None:
         for stream in [s for s in self._streams.values() if s.backlog]:
@@ -474,13 +472,13 @@ class Http2Connection(asyncio.Protocol):
                 return
             self._flush_backlog(stream)
 
-    def _ended_locally(self, stream: _Stream) -> None:
-        """Our END_STREAM is written: the stream is done. If the client has not ended its
-        side, RST_STREAM(NO_ERROR) asks it to stop sending (RFC 9113 section 8.1)."""
-        self._streams.pop(stream.id, None)
-        if not stream.remote_closed:
-            self._write(encode_rst_stream(stream.id, ErrorCode.NO_ERROR))
-        self._close_if_gone_away()
+    def _forget_if_done(self, stream: _Stream) -> None:
+        """A stream is done when both sides have ended it and all we sent is written.
+        Ending first, we let the client end its side rather than reset the stream: a
+        client that is still sending would report its failed send instead of our status."""
+        if stream.remote_closed and stream.local_closed and not stream.backlog:
+            self._streams.pop(stream.id, None)
+            self._close_if_gone_away()
 
     def _close_if_gone_away(self) -> None:
         if self._going_away and not self._streams and self._transport is not None:

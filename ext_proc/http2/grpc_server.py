@@ -232,15 +232,17 @@ class GrpcCall:
         self._buffer.clear()
         self._finish(code, message)
 
+    def end(self, code: StatusCode, message: str) -> None:
+        """End the call now, with ``code``, whatever the client still sends."""
+        if not self._over:
+            self._fail(code, message)
+
 
 class _Refused:
-    """The handler of a call we cannot serve: it fails at its first message, or its end."""
-
-    def __init__(self, code: StatusCode, message: str) -> None:
-        self.error = GrpcError(code, message)
+    """The handler of a call refused at its start: nothing to answer, nothing to give back."""
 
     def on_message(self, message: bytes) -> Answer:
-        raise self.error
+        return None
 
     def on_end(self, cancelled: bool) -> None:
         pass
@@ -265,18 +267,21 @@ class GrpcServer:
         path = _header(headers, b":path") or b""
         factory = self._methods.get(path)
         content_type = _header(headers, b"content-type") or b""
-        handler: MessageHandler
+        refusal = None
         if _header(headers, b":method") != b"POST":
-            handler = _Refused(StatusCode.UNIMPLEMENTED, "gRPC calls are POST requests")
+            refusal = "gRPC calls are POST requests"
         elif not content_type.startswith(b"application/grpc"):
-            handler = _Refused(StatusCode.UNIMPLEMENTED, "content-type is not application/grpc")
+            refusal = "content-type is not application/grpc"
         elif _header(headers, b"grpc-encoding") not in (None, b"identity"):
-            handler = _Refused(StatusCode.UNIMPLEMENTED, "compressed calls are not supported")
+            refusal = "compressed calls are not supported"
         elif factory is None:
-            handler = _Refused(StatusCode.UNIMPLEMENTED, f"unknown method {path.decode('latin-1')}")
-        else:
-            handler = factory()
-        return GrpcCall(conn, stream_id, handler)
+            refusal = f"unknown method {path.decode('latin-1')}"
+        if refusal is None:
+            assert factory is not None
+            return GrpcCall(conn, stream_id, factory())
+        call = GrpcCall(conn, stream_id, _Refused())
+        call.end(StatusCode.UNIMPLEMENTED, refusal)
+        return call
 
     def _connection(self) -> Http2Connection:
         conn = Http2Connection(self._open_call, on_close=self._connections.discard)
