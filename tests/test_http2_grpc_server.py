@@ -35,7 +35,7 @@ from ext_proc.http2.grpc_server import (
 
 ECHO = "/test.Echo/Stream"
 SLOW_FIRST = "/test.Echo/SlowFirst"
-FAIL = "/test.Echo/Fail"
+HOLD = "/test.Echo/Hold"
 
 
 @dataclass
@@ -85,7 +85,7 @@ async def served() -> AsyncIterator[tuple[GrpcServer, Ends]]:
         {
             ECHO: lambda: Echo(ends),
             SLOW_FIRST: lambda: Echo(ends, slow_first=True),
-            FAIL: lambda: Hold(ends),
+            HOLD: lambda: Hold(ends),
         }
     )
     await server.start("127.0.0.1", 0)
@@ -162,7 +162,7 @@ async def test_messages_of_16_mib_pass_both_ways_through_flow_control(served: tu
 async def test_a_cancelled_call_is_ended_as_cancelled(served: tuple) -> None:
     server, ends = served
     async with channel(server) as ch:
-        held = raw_stream(ch, FAIL)()
+        held = raw_stream(ch, HOLD)()
         await held.write(b"hello")
         await eventually(lambda: server.open_calls == 1)
         held.cancel()
@@ -173,7 +173,7 @@ async def test_a_cancelled_call_is_ended_as_cancelled(served: tuple) -> None:
 async def test_three_thousand_concurrent_calls(served: tuple) -> None:
     server, ends = served
     async with channel(server) as ch:
-        held = [raw_stream(ch, FAIL)() for _ in range(3000)]
+        held = [raw_stream(ch, HOLD)() for _ in range(3000)]
         for c in held:
             await c.write(b"x")
         await eventually(lambda: server.open_calls == 3000, timeout=20)
@@ -184,14 +184,26 @@ async def test_three_thousand_concurrent_calls(served: tuple) -> None:
     assert ends.seen.count(False) == 3000
 
 
-async def test_a_graceful_stop_lets_open_calls_finish_and_refuses_new_ones() -> None:
+@contextlib.asynccontextmanager
+async def one_held_call() -> AsyncIterator[
+    tuple[GrpcServer, Ends, grpc.aio.Channel, grpc.aio.Call]
+]:
+    """A server of its own (the test stops it) with one call open on it."""
     ends = Ends()
-    server = GrpcServer({FAIL: lambda: Hold(ends)})
+    server = GrpcServer({HOLD: lambda: Hold(ends)})
     await server.start("127.0.0.1", 0)
-    async with channel(server) as ch:
-        held = raw_stream(ch, FAIL)()
-        await held.write(b"x")
-        await eventually(lambda: server.open_calls == 1)
+    try:
+        async with channel(server) as ch:
+            held = raw_stream(ch, HOLD)()
+            await held.write(b"x")
+            await eventually(lambda: server.open_calls == 1)
+            yield server, ends, ch, held
+    finally:
+        await server.stop(grace=0)
+
+
+async def test_a_graceful_stop_lets_open_calls_finish_and_refuses_new_ones() -> None:
+    async with one_held_call() as (server, ends, ch, held):
         stopping = asyncio.create_task(server.stop(grace=5.0))
         await asyncio.sleep(0.1)
         assert not stopping.done()  # the open call holds the stop
@@ -199,19 +211,13 @@ async def test_a_graceful_stop_lets_open_calls_finish_and_refuses_new_ones() -> 
         assert await held.code() is grpc.StatusCode.OK
         await asyncio.wait_for(stopping, 2.0)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
-            await asyncio.wait_for(call(ch, FAIL, [b"x"]), 5.0)
+            await asyncio.wait_for(call(ch, HOLD, [b"x"]), 5.0)
         assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
-    assert ends.seen == [False]
+        assert ends.seen == [False]
 
 
 async def test_a_stop_cuts_calls_that_outlive_the_grace() -> None:
-    ends = Ends()
-    server = GrpcServer({FAIL: lambda: Hold(ends)})
-    await server.start("127.0.0.1", 0)
-    async with channel(server) as ch:
-        held = raw_stream(ch, FAIL)()
-        await held.write(b"x")
-        await eventually(lambda: server.open_calls == 1)
+    async with one_held_call() as (server, ends, _, held):
         await asyncio.wait_for(server.stop(grace=0.2), 3.0)
         assert ends.seen == [True]
         assert await held.code() is grpc.StatusCode.UNAVAILABLE
