@@ -41,7 +41,7 @@ class Transport(StrEnum):
     HTTP2 = "http2"
     """Our own HTTP/2 + gRPC on the event loop (``ext_proc.http2``): the default."""
     GRPCIO = "grpcio"
-    """grpcio's asyncio server: about half the requests/s a core; the fallback."""
+    """grpcio's asyncio server: about four times the CPU a request; the fallback."""
 
 
 class ExtProcServer(Protocol):
