@@ -11,6 +11,7 @@ Two fleet sources:
 from __future__ import annotations
 
 import json
+import resource
 from dataclasses import dataclass
 from importlib import resources
 from pathlib import Path
@@ -52,6 +53,18 @@ class BootstrapParams:
     (failure_mode_allow). Generous: a request that times out loses its routing."""
     lb_policy: str = "RING_HASH"
     """Static fleet only: the model cluster's load balancer (benchmark baselines)."""
+    max_downstream_connections: int | None = None
+    """Open client connections Envoy keeps; more are closed at once. None: half the
+    open-file limit of the process that renders the bootstrap (Envoy's, when it starts
+    Envoy), since a request in flight holds a client and an upstream connection."""
+
+
+def default_max_downstream_connections() -> int:
+    """Half this process's open-file limit (at least 1,024; 1,000,000 if unlimited)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1_000_000
+    return max(1024, soft // 2)
 
 
 def _static_cluster(
@@ -196,6 +209,8 @@ def render_bootstrap(
         max_body_bytes=params.max_body_bytes,
         max_body_bytes_plus_one=params.max_body_bytes + 1,
         ext_proc_timeout=f"{params.ext_proc_timeout_ms / 1000:.3f}s",
+        max_downstream_connections=params.max_downstream_connections
+        or default_max_downstream_connections(),
         route_json=json.dumps(model_route(config, ext_proc=bool(params.ext_proc))),
         static_clusters_json=json.dumps(clusters),
         dynamic_resources=dynamic,

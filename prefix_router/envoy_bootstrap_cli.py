@@ -83,6 +83,12 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--body-buffer-bytes", str(4 * 1024 * 1024), "body bytes ext_proc sees")
     add("--max-body-bytes", str(64 * 1024 * 1024), "larger request bodies get 413")
     add("--ext-proc-timeout-ms", "200", "ext_proc message timeout")
+    add(
+        "--max-downstream-connections",
+        None,
+        "client connections Envoy keeps open; more are closed at once (default: half the "
+        "open-file limit where this runs)",
+    )
     add("--out", None, "write here (atomically) instead of stdout")
     return p
 
@@ -138,6 +144,11 @@ def build(
         max_body_bytes=_int("--max-body-bytes", args.max_body_bytes, low=1, high=2**40),
         ext_proc_timeout_ms=_int(
             "--ext-proc-timeout-ms", args.ext_proc_timeout_ms, low=1, high=60_000
+        ),
+        max_downstream_connections=None
+        if args.max_downstream_connections is None
+        else _int(
+            "--max-downstream-connections", args.max_downstream_connections, low=1, high=2**31
         ),
     )
     if params.listen_port == params.admin_port and params.listen_address == params.admin_address:

@@ -158,3 +158,29 @@ async def test_more_than_a_thousand_requests_in_flight_are_all_routed(stack: Sta
     answers = await asyncio.gather(*(held(i) for i in range(n)))
     unrouted = sum(1 for a in answers if a["prefix_key"] is None)
     assert unrouted == 0, f"{unrouted} of {n} requests went on without a prefix key"
+
+
+def test_envoy_closes_connections_past_its_limit_and_keeps_serving(
+    procs: ProcessReaper, log_dir: Path
+) -> None:
+    """An open-loop overload once opened connections until Envoy ran out of file
+    descriptors and crashed; past ``max_downstream_connections`` it now closes new ones."""
+    stack = start_static_stack(procs, log_dir, backends=1, max_downstream_connections=20)
+    port = int(stack.url.rsplit(":", 1)[1])
+    held = [socket.create_connection(("127.0.0.1", port), timeout=5) for _ in range(40)]
+    try:
+        closed = 0
+        for sock in held:
+            sock.settimeout(0.5)
+            try:
+                closed += sock.recv(1) == b""
+            except TimeoutError:
+                pass  # kept open
+        assert 15 <= closed <= 25, closed  # about every connection past the 20th
+    finally:
+        for sock in held:
+            sock.close()
+    stats = httpx.get(f"http://127.0.0.1:{stack.admin_port}/stats?filter=global_cx_overflow")
+    assert any(int(line.rsplit(" ", 1)[1]) > 0 for line in stats.text.splitlines()), stats.text
+    with httpx.Client(timeout=10) as client:
+        post(client, stack, chat("still serving"))

@@ -41,6 +41,7 @@ def start_static_stack(
     start_ext_procs: bool = True,
     sim_args: Sequence[str] | None = None,
     ext_proc_args: Sequence[str] = (),
+    max_downstream_connections: int | None = None,
 ) -> StaticStack:
     """Backends are echo servers, or simulated vLLM instances when ``sim_args`` is given."""
     config = config or RouterConfig()
@@ -77,6 +78,7 @@ def start_static_stack(
         listen_port=listen_port,
         admin_port=stack.admin_port,
         ext_proc=tuple(("127.0.0.1", p) for p in stack.ext_proc_ports),
+        max_downstream_connections=max_downstream_connections,
     )
     stack.envoy = procs.add(start_envoy(params, config, log_dir, fleet=fleet))
     stack.url = f"http://127.0.0.1:{listen_port}"
