@@ -16,7 +16,7 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ext_proc.http2.grpc_server import GrpcError
+from ext_proc.http2.grpc_server import MAX_MESSAGE_BYTES, GrpcError
 from ext_proc.servicer import SERVICE_NAME, ExternalProcessor
 
 
@@ -27,7 +27,7 @@ class GrpcioExtProcServer:
         self._server = grpc.aio.server(
             options=[
                 ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", 64 * 1024 * 1024 + 64 * 1024),
+                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
                 ("grpc.http2.max_pings_without_data", 0),
             ]
         )
@@ -40,7 +40,7 @@ class GrpcioExtProcServer:
                     try:
                         answer = session.on_message(message)
                     except GrpcError as exc:
-                        await context.abort(grpc.StatusCode.INVALID_ARGUMENT, exc.message)
+                        await context.abort(grpc.StatusCode[exc.code.name], exc.message)
                     if answer is not None and not isinstance(answer, bytes):
                         # shielded: a reset must not cut a reservation in half; the
                         # session gives the count back when the routing ends
