@@ -1,4 +1,4 @@
-"""Sustained load: the whole stack at 70% of its measured maximum rate, for minutes.
+"""Sustained load: the whole stack at half its measured maximum rate, for minutes.
 
 Starts the local stack (Redis, simulated vLLM, control plane, ext_proc workers, Envoy) on
 free ports, measures the maximum request rate with a short closed-loop burst, then sends
@@ -140,7 +140,10 @@ async def sampled(
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--minutes", type=float, default=10.0)
-    parser.add_argument("--fraction", type=float, default=0.7)
+    # 0.5: the closed-loop maximum is now the simulator's and this client's on two cores
+    # (ext_proc is no longer the limit), and an open loop at 70% of it fell behind there:
+    # connections piled up until Envoy ran out of file descriptors.
+    parser.add_argument("--fraction", type=float, default=0.5)
     parser.add_argument("--probe-seconds", type=float, default=20.0)
     parser.add_argument("--ext-procs", type=int, default=2)
     parser.add_argument("--sample-seconds", type=float, default=60.0)
