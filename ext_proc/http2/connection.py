@@ -134,7 +134,7 @@ class Http2Connection(asyncio.Protocol):
         self._going_away = False
         self._close_after_write = False
         self._loop = asyncio.get_running_loop()
-        self._closed = asyncio.get_running_loop().create_future()
+        self._closed = self._loop.create_future()
 
     # -- asyncio.Protocol -------------------------------------------------------------------
 
