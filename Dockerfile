@@ -13,7 +13,7 @@ COPY prefix_router prefix_router
 COPY ext_proc ext_proc
 COPY control_plane control_plane
 COPY vllm_sim vllm_sim
-# prefix_router/bootstrap.yaml links to envoy/bootstrap.yaml; the wheel ships the file.
+# prefix_router/envoy/bootstrap.yaml links to envoy/bootstrap.yaml; the wheel ships the file.
 COPY envoy envoy
 RUN python -m venv /opt/prefix-router \
  && /opt/prefix-router/bin/pip install /src \

@@ -21,6 +21,7 @@ test: $(STAMP)
 	scripts/ensure-test-services
 	$(BIN)/ruff check .
 	$(BIN)/mypy
+	$(BIN)/lint-imports --no-logo
 	$(BIN)/pytest -q $(PYTEST_ARGS)
 
 clean:

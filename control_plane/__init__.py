@@ -1,7 +1,7 @@
 """prefix-router's control plane: xDS (ADS) for Envoy and the admin API.
 
 Data flow: admin API -> :class:`~control_plane.service.AdminService` -> Redis
-(``prefix_router.state``) -> :func:`~prefix_router.state.watch_state` ->
+(``prefix_router.state.store``) -> :func:`~prefix_router.state.store.watch_state` ->
 :class:`~control_plane.publisher.Publisher` -> :func:`~control_plane.snapshot.build_snapshot`
 -> :class:`~control_plane.cache.SnapshotCache` -> :class:`~control_plane.ads.AdsServer`
 -> every Envoy. ext_proc follows the same Redis state, so its ring mirror

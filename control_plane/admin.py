@@ -27,9 +27,9 @@ from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
 from control_plane.service import AdminService, InstanceExists, InstanceNotFound
-from prefix_router.errors import ConfigError, FleetError
-from prefix_router.fleet import Instance, InstanceState
-from prefix_router.state import ConfigRecord, StateError
+from prefix_router.core.errors import ConfigError, FleetError
+from prefix_router.core.fleet import Instance, InstanceState
+from prefix_router.state.store import ConfigRecord, StateError
 
 
 class InstanceIn(BaseModel):

@@ -25,8 +25,8 @@ import time
 from collections.abc import Callable
 from typing import Any, Protocol
 
-from prefix_router.fleet import Fleet, Instance, InstanceState
-from prefix_router.state import FleetRecord, StateError, StateStore
+from prefix_router.core.fleet import Fleet, Instance, InstanceState
+from prefix_router.state.store import FleetRecord, StateError, StateStore
 
 log = logging.getLogger("prefix_router.control_plane.drain")
 audit_log = logging.getLogger("prefix_router.audit")

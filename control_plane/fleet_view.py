@@ -19,7 +19,7 @@ each counter between the oldest and the newest reading inside the window.
 cache hit rate (tokens hit / tokens queried), TTFT p50/p99 from the histogram
 buckets, running and waiting requests, KV usage, fleet-wide in-flight count
 and the share of the ring's key space it owns (the ring ext_proc mirrors:
-:meth:`prefix_router.routing.RoutingTable.build`). Fleet-wide: hit rate and
+:meth:`prefix_router.core.table.RoutingTable.build`). Fleet-wide: hit rate and
 TTFT over all instances, and the routing's predicted affinity (the share of
 decisions that went home) beside vLLM's measured hit rate.
 
@@ -49,10 +49,10 @@ from control_plane.vllm_metrics import (
     reading_delta,
     sum_deltas,
 )
-from prefix_router.fleet import Instance
-from prefix_router.routing import RoutingTable
-from prefix_router.spill import SpillRule
-from prefix_router.state import State, StateError, StateStore
+from prefix_router.core.fleet import Instance
+from prefix_router.core.spill import SpillRule
+from prefix_router.core.table import RoutingTable
+from prefix_router.state.store import State, StateError, StateStore
 
 log = logging.getLogger("prefix_router.control_plane.fleet")
 

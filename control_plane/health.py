@@ -26,9 +26,9 @@ from typing import Any
 
 import httpx
 
-from prefix_router.config import HealthCheckConfig
-from prefix_router.fleet import Fleet, Instance, InstanceState
-from prefix_router.state import FleetRecord, StateError, StateStore
+from prefix_router.core.config import HealthCheckConfig
+from prefix_router.core.fleet import Fleet, Instance, InstanceState
+from prefix_router.state.store import FleetRecord, StateError, StateStore
 
 log = logging.getLogger("prefix_router.control_plane.health")
 audit_log = logging.getLogger("prefix_router.audit")

@@ -1,6 +1,6 @@
 """From shared state to the snapshot cache: build, check, publish.
 
-:class:`Publisher` is the ``on_change`` of :func:`prefix_router.state.watch_state`:
+:class:`Publisher` is the ``on_change`` of :func:`prefix_router.state.store.watch_state`:
 every (fleet, config) version read from Redis becomes one snapshot, checked
 with ``consistent()`` before Envoys see it. A snapshot that cannot be built or
 is inconsistent is logged and not published; Envoys keep the last good one.
@@ -24,10 +24,10 @@ import time
 
 from control_plane.cache import ALL_NODES, SnapshotCache
 from control_plane.snapshot import Snapshot, build_snapshot
-from prefix_router.addresses import Addresses, names_in, resolve
-from prefix_router.config import RouterConfig
-from prefix_router.errors import PrefixRouterError
-from prefix_router.fleet import Fleet
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.errors import PrefixRouterError
+from prefix_router.core.fleet import Fleet
+from prefix_router.envoy.addresses import Addresses, names_in, resolve
 
 log = logging.getLogger("prefix_router.control_plane")
 

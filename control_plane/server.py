@@ -44,11 +44,11 @@ from control_plane.fleet_view import FleetView
 from control_plane.health import HealthProber
 from control_plane.publisher import Publisher, keep_names_resolved
 from control_plane.service import AdminService
-from prefix_router.config import RouterConfig, load_config_file, parse_config
-from prefix_router.errors import ConfigError, FleetError, StartupError
-from prefix_router.fleet import Fleet, Instance
+from prefix_router.core.config import RouterConfig, load_config_file, parse_config
+from prefix_router.core.errors import ConfigError, FleetError, StartupError
+from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.logs import setup_logging
-from prefix_router.state import DEFAULT_NAMESPACE, StateStore, watch_state
+from prefix_router.state.store import DEFAULT_NAMESPACE, StateStore, watch_state
 
 log = logging.getLogger("prefix_router.control_plane")
 

@@ -2,9 +2,9 @@
 
 This is the service layer under the admin API's thin routes. Every change is
 a pure function of the current document applied by
-:meth:`~prefix_router.state.StateStore.update_fleet` /
-:meth:`~prefix_router.state.StateStore.update_config`: it either raises
-(:class:`~prefix_router.errors.ConfigError`, :class:`~prefix_router.errors.FleetError`;
+:meth:`~prefix_router.state.store.StateStore.update_fleet` /
+:meth:`~prefix_router.state.store.StateStore.update_config`: it either raises
+(:class:`~prefix_router.core.errors.ConfigError`, :class:`~prefix_router.core.errors.FleetError`;
 nothing is written) or lands together with its audit entry (what, before,
 after, when, who).
 
@@ -25,10 +25,10 @@ from control_plane.callbacks import ClientRegistry
 from control_plane.drain import InFlightSource
 from control_plane.fleet_view import FleetView
 from control_plane.metrics import ControlPlaneCollector, render
-from prefix_router.config import RouterConfig, parse_config
-from prefix_router.errors import FleetError
-from prefix_router.fleet import Fleet, Instance, InstanceState
-from prefix_router.state import ConfigRecord, FleetRecord, StateError, StateStore
+from prefix_router.core.config import RouterConfig, parse_config
+from prefix_router.core.errors import FleetError
+from prefix_router.core.fleet import Fleet, Instance, InstanceState
+from prefix_router.state.store import ConfigRecord, FleetRecord, StateError, StateStore
 
 audit_log = logging.getLogger("prefix_router.audit")
 

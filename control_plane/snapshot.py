@@ -3,7 +3,7 @@
 A :class:`Snapshot` is what every Envoy should run: the model-serving cluster
 (CDS) and its endpoints (EDS) for one (fleet version, config version). It is
 built once by :func:`build_snapshot` from the same JSON the static bootstrap
-uses (``prefix_router.envoy_cluster``), parsed into protos and packed into
+uses (``prefix_router.envoy.cluster``), parsed into protos and packed into
 ``Any`` once, so every stream sends the same bytes. The snapshot resources
 never change after construction: a change is a new snapshot with a new version.
 
@@ -32,11 +32,11 @@ from google.protobuf import any_pb2  # type: ignore[import-untyped]
 from google.protobuf.json_format import ParseDict  # type: ignore[import-untyped]
 from google.protobuf.message import Message  # type: ignore[import-untyped]
 
-from prefix_router.addresses import Addresses, names_in
-from prefix_router.config import RouterConfig
-from prefix_router.envoy_cluster import load_assignment, model_cluster
-from prefix_router.errors import PrefixRouterError
-from prefix_router.fleet import Fleet
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.errors import PrefixRouterError
+from prefix_router.core.fleet import Fleet
+from prefix_router.envoy.addresses import Addresses, names_in
+from prefix_router.envoy.cluster import load_assignment, model_cluster
 
 CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -123,7 +123,7 @@ def build_snapshot(
     addresses: Addresses = MappingProxyType({}),
 ) -> Snapshot:
     """The snapshot every Envoy should run for this fleet and config. Pure: the instances
-    named by DNS come resolved in ``addresses`` (:mod:`prefix_router.addresses`)."""
+    named by DNS come resolved in ``addresses`` (:mod:`prefix_router.envoy.addresses`)."""
     addresses = {n: a for n, a in addresses.items() if n in names_in(fleet)}
     cluster = ParseDict(
         model_cluster(config, fleet, eds=True, addresses=addresses), cluster_pb2.Cluster()

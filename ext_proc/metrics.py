@@ -12,8 +12,8 @@ import logging
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
 from ext_proc.router import RouterCallbacks
-from prefix_router.prefix_key import Fallback
-from prefix_router.routing import Decision, Outcome
+from prefix_router.core.key import Fallback
+from prefix_router.core.table import Decision, Outcome
 
 log = logging.getLogger("prefix_router.ext_proc")
 

@@ -1,8 +1,8 @@
 """The request router: key -> candidates -> reservation -> decision, for one request.
 
 This is the part of ext_proc that knows nothing about gRPC. It holds the
-current :class:`~prefix_router.routing.RoutingTable` (swapped whole when the
-fleet or the config changes) and a :class:`~prefix_router.loads.LoadStore`.
+current :class:`~prefix_router.core.table.RoutingTable` (swapped whole when the
+fleet or the config changes) and a :class:`~prefix_router.state.loads.LoadStore`.
 
 The store bounds its own waits on Redis (``redis_timeout_ms`` per round trip)
 and reports a failed or slow Redis as :class:`LoadsUnavailable`: the request is
@@ -23,10 +23,10 @@ import logging
 import time
 from dataclasses import dataclass
 
-from prefix_router.loads import InMemoryLoadStore, LoadStore, LoadsUnavailable, Reservation
-from prefix_router.placement import Placement
-from prefix_router.prefix_key import Fallback, PrefixKey, extract_key
-from prefix_router.routing import Decision, Outcome, RoutingTable
+from prefix_router.core.key import Fallback, PrefixKey, extract_key
+from prefix_router.core.placement import Placement
+from prefix_router.core.table import Decision, Outcome, RoutingTable
+from prefix_router.state.loads import InMemoryLoadStore, LoadStore, LoadsUnavailable, Reservation
 
 log = logging.getLogger("prefix_router.ext_proc")
 

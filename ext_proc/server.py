@@ -25,12 +25,12 @@ from ext_proc.metrics import PrometheusCallbacks
 from ext_proc.router import RequestRouter
 from ext_proc.servicer import PROCESS_PATH, SERVICE_NAME, ExternalProcessor
 from ext_proc.state_follower import follow_state
-from prefix_router.config import RouterConfig, load_config_file
-from prefix_router.fleet import Fleet, Instance
-from prefix_router.loads import InMemoryLoadStore, LoadStore
-from prefix_router.loads.redis_store import RedisLoadStore
+from prefix_router.core.config import RouterConfig, load_config_file
+from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.core.table import RoutingTable
 from prefix_router.logs import setup_logging
-from prefix_router.routing import RoutingTable
+from prefix_router.state.loads import InMemoryLoadStore, LoadStore
+from prefix_router.state.loads.redis_store import RedisLoadStore
 
 log = logging.getLogger("prefix_router.ext_proc")
 

@@ -1,8 +1,8 @@
 """Follow the control plane's shared state in Redis: fleet + config -> a new routing table.
 
 With ``--redis-url``, ext_proc takes its fleet and config from the Redis
-documents the control plane writes (``prefix_router.state``), not from flags.
-Each time a version moves, a new :class:`~prefix_router.routing.RoutingTable`
+documents the control plane writes (``prefix_router.state.store``), not from flags.
+Each time a version moves, a new :class:`~prefix_router.core.table.RoutingTable`
 is built from exactly what the control plane publishes to Envoy (the same
 fleet in the same order; routable = active and healthy, draining excluded), so
 the ring mirror is Envoy's ring, and swapped in whole. A change arrives by
@@ -15,10 +15,10 @@ import asyncio
 import logging
 
 from ext_proc.router import RequestRouter
-from prefix_router.config import RouterConfig
-from prefix_router.fleet import Fleet
-from prefix_router.routing import RoutingTable
-from prefix_router.state import WATCH_INTERVAL_S, watch_state
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.fleet import Fleet
+from prefix_router.core.table import RoutingTable
+from prefix_router.state.store import WATCH_INTERVAL_S, watch_state
 
 log = logging.getLogger("prefix_router.ext_proc")
 

@@ -1,5 +1,5 @@
 import sys
 
-from prefix_router.cli import main
+from prefix_router.ops.cli import main
 
 sys.exit(main())

@@ -14,7 +14,7 @@ from pathlib import Path
 import pytest
 import redis
 
-from prefix_router.procs import ManagedProcess
+from prefix_router.ops.procs import ManagedProcess
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 

@@ -10,9 +10,9 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from control_plane.cache import ALL_NODES, SnapshotCache
 from control_plane.publisher import Publisher, keep_names_resolved
 from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, Snapshot, build_snapshot
-from prefix_router.addresses import is_ip_literal, names_in, publishable, resolve, resolve_now
-from prefix_router.config import RouterConfig
-from prefix_router.fleet import Fleet, Instance
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.envoy.addresses import is_ip_literal, names_in, publishable, resolve, resolve_now
 
 IP = Instance("10.0.0.1", 8000)
 NAMED = Instance("vllm-0.vllm.ns.svc", 8000)

@@ -11,8 +11,8 @@ import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
 
-from prefix_router.launch import start_module
-from prefix_router.procs import free_port
+from prefix_router.ops.launch import start_module
+from prefix_router.ops.procs import free_port
 from tests.conftest import REDIS_URL, ProcessReaper
 from tests.support.redis_ns import fresh_store, unique_namespace
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import pytest
 
-from prefix_router.bench.bounds import BoundsTracker
+from bench.bounds import BoundsTracker
 
 
 def blocks(name: str, count: int) -> list[bytes]:

@@ -7,21 +7,21 @@ from collections import defaultdict
 
 import pytest
 
-from prefix_router.bench.des import (
+from bench.des import (
     DesSettings,
     Resize,
     default_instance_url,
     parse_resizes,
     simulate,
 )
-from prefix_router.bench.policies import Policy
-from prefix_router.bench.spec import PATHS, Arrival, Turn, Workload, request_body
-from prefix_router.bench.text import filler
-from prefix_router.bench.workloads import generate
-from prefix_router.config import RouterConfig
-from prefix_router.fleet import Fleet, Instance
-from prefix_router.prefix_key import extract_key
-from prefix_router.routing import RoutingTable
+from bench.policies import Policy
+from bench.spec import PATHS, Arrival, Turn, Workload, request_body
+from bench.text import filler
+from bench.workloads import generate
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.core.key import extract_key
+from prefix_router.core.table import RoutingTable
 from vllm_sim.config import make_config
 from vllm_sim.engine import Engine
 from vllm_sim.protocol import parse_generation
@@ -195,8 +195,8 @@ def test_resize_parsing() -> None:
 
 
 def test_policies_map_to_the_spill_rules_and_all_means_the_four_compared_by_default() -> None:
-    from prefix_router.bench.policies import ALL_POLICIES, parse_policies
-    from prefix_router.config import PlacementPolicyName, SpillPolicyName
+    from bench.policies import ALL_POLICIES, parse_policies
+    from prefix_router.core.config import PlacementPolicyName, SpillPolicyName
 
     assert parse_policies("all") == ALL_POLICIES and Policy.PREFIX_RELATIVE not in ALL_POLICIES
     assert parse_policies("prefix-relative") == (Policy.PREFIX_RELATIVE,)

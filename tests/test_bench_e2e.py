@@ -9,9 +9,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from prefix_router.bench.results import RunResult
-from prefix_router.bench.workloads import generate
-from prefix_router.cli import main
+from bench.results import RunResult
+from bench.workloads import generate
+from prefix_router.ops.cli import main
 
 pytestmark = pytest.mark.e2e
 

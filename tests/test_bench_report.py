@@ -7,10 +7,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefix_router.bench.bounds import CacheBounds
-from prefix_router.bench.fleet_metrics import parse_metrics
-from prefix_router.bench.report import check_goals, table, write_plots
-from prefix_router.bench.results import InstanceStats, RequestRecord, RunResult, percentile
+from bench.bounds import CacheBounds
+from bench.fleet_metrics import parse_metrics
+from bench.report import check_goals, table, write_plots
+from bench.results import InstanceStats, RequestRecord, RunResult, percentile
 from vllm_sim import SimInstance, create_app, make_config
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 
 import pytest
 
-from prefix_router.bench.trace import (
+from bench.trace import (
     TraceError,
     TraceOptions,
     load_trace,

@@ -7,10 +7,10 @@ from collections import defaultdict
 import orjson
 import pytest
 
-from prefix_router.bench.spec import PATHS, Arrival, Workload, request_body
-from prefix_router.bench.workloads import WORKLOADS, generate, make_params
-from prefix_router.config import PrefixMode
-from prefix_router.prefix_key import KeySettings, extract_key
+from bench.spec import PATHS, Arrival, Workload, request_body
+from bench.workloads import WORKLOADS, generate, make_params
+from prefix_router.core.config import PrefixMode
+from prefix_router.core.key import KeySettings, extract_key
 
 MODEL = "m"
 KEY = KeySettings(prefix_length=1024, mode=PrefixMode.OPENAI)

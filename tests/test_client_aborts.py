@@ -12,7 +12,7 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from prefix_router.procs import free_port
+from prefix_router.ops.procs import free_port
 from tests.conftest import REDIS_URL, ProcessReaper
 from tests.support.figures import report
 from tests.support.static_stack import start_static_stack

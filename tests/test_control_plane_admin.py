@@ -14,10 +14,10 @@ from control_plane.drain import Drainer, drain_verdict
 from control_plane.health import Streak, next_health, withhold_total_outage
 from control_plane.server import resolve_token
 from control_plane.service import AdminService
-from prefix_router.config import HealthCheckConfig, RouterConfig
-from prefix_router.errors import StartupError
-from prefix_router.fleet import Fleet, Instance, InstanceState
-from prefix_router.state import StateStore
+from prefix_router.core.config import HealthCheckConfig, RouterConfig
+from prefix_router.core.errors import StartupError
+from prefix_router.core.fleet import Fleet, Instance, InstanceState
+from prefix_router.state.store import StateStore
 from tests.support.redis_ns import fresh_store
 
 TOKEN = "s3cret"

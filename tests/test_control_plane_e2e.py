@@ -13,10 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefix_router.config import PrefixMode
-from prefix_router.fleet import Fleet
-from prefix_router.prefix_key import KeySettings, extract_key
-from prefix_router.ring import Ring
+from prefix_router.core.config import PrefixMode
+from prefix_router.core.fleet import Fleet
+from prefix_router.core.key import KeySettings, extract_key
+from prefix_router.core.ring import Ring
 from tests.conftest import ProcessReaper
 from tests.support.load import Load
 from tests.support.xds_stack import XdsStack, start_xds_stack, wait_until

@@ -25,9 +25,9 @@ from control_plane.snapshot import (
     Snapshot,
     build_snapshot,
 )
-from prefix_router.config import RouterConfig
-from prefix_router.fleet import Fleet, Instance, InstanceState
-from prefix_router.procs import free_port
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.fleet import Fleet, Instance, InstanceState
+from prefix_router.ops.procs import free_port
 
 A = Instance("10.0.0.1", 8000)
 B = Instance("10.0.0.2", 8000, weight=3, hash_key="b")

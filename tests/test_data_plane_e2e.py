@@ -12,8 +12,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefix_router.config import RouterConfig
-from prefix_router.ring import Ring
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.ring import Ring
 from tests.conftest import ProcessReaper
 from tests.support.static_stack import StaticStack, start_static_stack
 

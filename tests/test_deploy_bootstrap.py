@@ -11,11 +11,11 @@ import httpx
 import pytest
 import yaml
 
-from prefix_router.cli import main as cli_main
-from prefix_router.envoy_bootstrap_cli import build, main, parse_host_port
-from prefix_router.errors import ConfigError
-from prefix_router.launch import start_envoy, start_ext_proc, start_module
-from prefix_router.procs import envoy_binary, free_port
+from prefix_router.core.errors import ConfigError
+from prefix_router.ops.bootstrap_cli import build, main, parse_host_port
+from prefix_router.ops.cli import main as cli_main
+from prefix_router.ops.launch import start_envoy, start_ext_proc, start_module
+from prefix_router.ops.procs import envoy_binary, free_port
 from tests.conftest import REDIS_URL, ProcessReaper
 from tests.support.redis_ns import fresh_store, unique_namespace
 from tests.support.xds_stack import start_backends, wait_until

@@ -18,8 +18,8 @@ from pathlib import Path
 
 import pytest
 
-from prefix_router.cli import COMMANDS
-from prefix_router.procs import envoy_binary
+from prefix_router.ops.cli import COMMANDS
+from prefix_router.ops.procs import envoy_binary
 
 ROOT = Path(__file__).resolve().parent.parent
 

@@ -24,11 +24,11 @@ import pytest
 import yaml
 
 from control_plane.server import load_fleet_file
-from prefix_router.config import load_config_file
-from prefix_router.envoy_bootstrap_cli import build as build_bootstrap
-from prefix_router.envoy_bootstrap_cli import parse_host_port
-from prefix_router.launch import start_ext_proc, start_module
-from prefix_router.procs import free_port
+from prefix_router.core.config import load_config_file
+from prefix_router.ops.bootstrap_cli import build as build_bootstrap
+from prefix_router.ops.bootstrap_cli import parse_host_port
+from prefix_router.ops.launch import start_ext_proc, start_module
+from prefix_router.ops.procs import free_port
 from tests.conftest import ProcessReaper
 from tests.test_deploy_cli_contract import (
     ROOT,
@@ -428,7 +428,7 @@ def test_dockerfile_builds_one_image_for_every_command() -> None:
     for package in ("prefix_router", "ext_proc", "control_plane", "vllm_sim"):
         assert package in sources and f'"{package}*"' in pyproject
     # Installed (not editable), the template is read from the package, where
-    # prefix_router/bootstrap.yaml links to envoy/bootstrap.yaml: both must be copied.
+    # prefix_router/envoy/bootstrap.yaml links to envoy/bootstrap.yaml: both must be copied.
     assert ["envoy", "envoy"] in copies
     assert (ROOT / "prefix_router" / "bootstrap.yaml").resolve() == (
         ROOT / "envoy" / "bootstrap.yaml"

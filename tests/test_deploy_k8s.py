@@ -27,8 +27,8 @@ import pytest
 import yaml
 
 from control_plane.server import load_fleet_file
-from prefix_router.config import load_config_file
-from prefix_router.envoy_bootstrap_cli import parse_host_port
+from prefix_router.core.config import load_config_file
+from prefix_router.ops.bootstrap_cli import parse_host_port
 from tests.test_deploy_cli_contract import ROOT, ParsedArgs, parse_cli, parse_envoy
 
 K8S = ROOT / "deploy" / "k8s"

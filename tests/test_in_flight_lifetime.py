@@ -17,7 +17,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefix_router.procs import free_port
+from prefix_router.ops.procs import free_port
 from tests.conftest import ProcessReaper
 from tests.support.static_stack import StaticStack, start_static_stack
 from tests.test_ext_proc_metrics import samples

@@ -10,11 +10,11 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 import pytest
 import redis.asyncio as aioredis
 
-from prefix_router.config import PlacementPolicyName, SpillPolicyName
-from prefix_router.loads import InMemoryLoadStore, LoadStore
-from prefix_router.loads.redis_store import RedisLoadStore
-from prefix_router.placement import Placement, PlacementRule
-from prefix_router.spill import SpillRule, choose
+from prefix_router.core.config import PlacementPolicyName, SpillPolicyName
+from prefix_router.core.placement import Placement, PlacementRule
+from prefix_router.core.spill import SpillRule, choose
+from prefix_router.state.loads import InMemoryLoadStore, LoadStore
+from prefix_router.state.loads.redis_store import RedisLoadStore
 from tests.conftest import REDIS_URL
 
 BOUNDED = SpillRule(SpillPolicyName.BOUNDED_LOAD, threshold=2)

@@ -21,12 +21,12 @@ from control_plane.fleet_view import FleetView
 from control_plane.metrics import METRIC_NAMES, PREFIX, ControlPlaneCollector, render
 from control_plane.service import AdminService
 from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE
-from prefix_router.config import RouterConfig, SpillPolicyName
-from prefix_router.fleet import Fleet, Instance
-from prefix_router.loads.redis_store import RedisLoadStore
-from prefix_router.routing import RoutingTable
-from prefix_router.spill import SpillRule
-from prefix_router.state import StateStore
+from prefix_router.core.config import RouterConfig, SpillPolicyName
+from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.core.spill import SpillRule
+from prefix_router.core.table import RoutingTable
+from prefix_router.state.loads.redis_store import RedisLoadStore
+from prefix_router.state.store import StateStore
 from tests.conftest import REDIS_URL
 from tests.support.redis_ns import fresh_store
 from vllm_sim import SimInstance, make_config

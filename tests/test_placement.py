@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from prefix_router.config import PlacementPolicyName, RouterConfig
-from prefix_router.fleet import Fleet, Instance
-from prefix_router.placement import (
+from prefix_router.core.config import PlacementPolicyName, RouterConfig
+from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.core.placement import (
     SLOT_BITS,
     Placement,
     PlacementMemory,
@@ -17,7 +17,7 @@ from prefix_router.placement import (
     remembered,
     slot_of,
 )
-from prefix_router.routing import RoutingTable
+from prefix_router.core.table import RoutingTable
 
 LEAST = PlacementRule(PlacementPolicyName.LEAST_LOADED, width=3, memory_s=10.0)
 HOME = PlacementRule(PlacementPolicyName.HOME)

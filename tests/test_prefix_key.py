@@ -6,8 +6,8 @@ import json
 
 import pytest
 
-from prefix_router.config import PrefixMode
-from prefix_router.prefix_key import Fallback, KeySettings, extract_key
+from prefix_router.core.config import PrefixMode
+from prefix_router.core.key import Fallback, KeySettings, extract_key
 
 OPENAI = KeySettings(prefix_length=1024, mode=PrefixMode.OPENAI)
 BYTES = KeySettings(prefix_length=16, mode=PrefixMode.BYTES)

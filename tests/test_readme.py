@@ -6,8 +6,8 @@ from pathlib import Path
 
 from pydantic import BaseModel
 
-from prefix_router.config import RouterConfig
-from prefix_router.stack import ROUTING_SHORTCUTS, UpSettings
+from prefix_router.core.config import RouterConfig
+from prefix_router.ops.up import ROUTING_SHORTCUTS, UpSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()

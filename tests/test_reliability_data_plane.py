@@ -20,9 +20,9 @@ import httpx
 import pytest
 import redis
 
-from prefix_router.config import RouterConfig
-from prefix_router.launch import start_redis_server
-from prefix_router.procs import ManagedProcess, free_port
+from prefix_router.core.config import RouterConfig
+from prefix_router.ops.launch import start_redis_server
+from prefix_router.ops.procs import ManagedProcess, free_port
 from tests.conftest import ProcessReaper
 from tests.support.figures import report
 from tests.support.static_stack import StaticStack, start_ext_proc_for, start_static_stack

@@ -13,8 +13,8 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefix_router.fleet import Instance
-from prefix_router.ring import Ring, ring_size_for
+from prefix_router.core.fleet import Instance
+from prefix_router.core.ring import Ring, ring_size_for
 from tests.conftest import ProcessReaper
 from tests.support.figures import report
 from tests.support.load import Load

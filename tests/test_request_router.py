@@ -5,10 +5,10 @@ from __future__ import annotations
 import json
 
 from ext_proc.router import RequestRouter
-from prefix_router.config import RouterConfig
-from prefix_router.fleet import Fleet, Instance
-from prefix_router.loads import InMemoryLoadStore, LoadsUnavailable, Reservation
-from prefix_router.routing import Outcome, RoutingTable
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.core.table import Outcome, RoutingTable
+from prefix_router.state.loads import InMemoryLoadStore, LoadsUnavailable, Reservation
 
 CONFIG = RouterConfig.model_validate({"concurrency_threshold": 2})
 TABLE = RoutingTable.build(Fleet.of([Instance("127.0.0.1", 8000 + i) for i in range(3)]), CONFIG)

@@ -6,8 +6,8 @@ import random
 
 import pytest
 
-from prefix_router.fleet import Instance
-from prefix_router.ring import Ring, hash_key, ring_size_for
+from prefix_router.core.fleet import Instance
+from prefix_router.core.ring import Ring, hash_key, ring_size_for
 
 K = 256
 

@@ -9,7 +9,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefix_router.ring import Ring, ring_size_for
+from prefix_router.core.ring import Ring, ring_size_for
 from tests.conftest import ProcessReaper
 from tests.support.static_stack import start_static_stack
 

@@ -4,8 +4,8 @@ from __future__ import annotations
 
 import pytest
 
-from prefix_router.config import SpillPolicyName
-from prefix_router.spill import SpillRule, choose
+from prefix_router.core.config import SpillPolicyName
+from prefix_router.core.spill import SpillRule, choose
 
 BOUNDED = SpillRule(SpillPolicyName.BOUNDED_LOAD, threshold=4)
 RELATIVE = SpillRule(SpillPolicyName.RELATIVE_LOAD, threshold=4, load_factor=1.5)

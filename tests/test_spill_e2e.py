@@ -13,9 +13,9 @@ import httpx
 import pytest
 import redis.asyncio as aioredis
 
-from prefix_router.config import RouterConfig
-from prefix_router.prefix_key import extract_key
-from prefix_router.routing import RoutingTable
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.key import extract_key
+from prefix_router.core.table import RoutingTable
 from tests.conftest import REDIS_URL, ProcessReaper
 from tests.support.static_stack import StaticStack, start_static_stack
 

@@ -16,9 +16,9 @@ from pathlib import Path
 import psutil
 import pytest
 
-from prefix_router.errors import ConfigError
-from prefix_router.procs import free_port
-from prefix_router.stack import resolve_settings
+from prefix_router.core.errors import ConfigError
+from prefix_router.ops.procs import free_port
+from prefix_router.ops.up import resolve_settings
 from tests.conftest import REDIS_URL
 
 pytestmark = pytest.mark.e2e

@@ -8,10 +8,10 @@ from collections.abc import AsyncIterator, Callable
 
 import pytest
 
-from prefix_router.config import RouterConfig
-from prefix_router.errors import FleetError
-from prefix_router.fleet import Fleet, Instance
-from prefix_router.state import FleetRecord, StateStore, watch_state
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.errors import FleetError
+from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.state.store import FleetRecord, StateStore, watch_state
 from tests.conftest import REDIS_URL
 from tests.support.redis_ns import fresh_store
 

@@ -50,7 +50,7 @@ def build_sequence(
 ) -> Sequence:
     """The engine's view of one request: checked, its output decided, its blocks hashed.
 
-    Pure, so the discrete-event simulation (``prefix_router.bench.des``) builds requests
+    Pure, so the discrete-event simulation (``bench.des``) builds requests
     exactly as :meth:`Engine.submit` does. Raises :class:`BadRequestError` if the request
     can never fit the context.
     """

@@ -6,7 +6,7 @@ import contextlib
 import uuid
 from collections.abc import AsyncIterator
 
-from prefix_router.state import StateStore
+from prefix_router.state.store import StateStore
 from tests.conftest import REDIS_URL
 
 

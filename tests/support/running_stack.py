@@ -17,10 +17,10 @@ from typing import Any
 import httpx
 import redis
 
-from prefix_router.config import RouterConfig
-from prefix_router.launch import start_module
-from prefix_router.procs import ManagedProcess, free_port
-from prefix_router.stack import Stack, UpSettings
+from prefix_router.core.config import RouterConfig
+from prefix_router.ops.launch import start_module
+from prefix_router.ops.procs import ManagedProcess, free_port
+from prefix_router.ops.up import Stack, UpSettings
 from tests.conftest import REDIS_URL, ProcessReaper
 from tests.support.redis_ns import unique_namespace
 

@@ -7,11 +7,11 @@ from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from prefix_router.config import RouterConfig
-from prefix_router.envoy_bootstrap import BootstrapParams
-from prefix_router.fleet import Fleet, Instance
-from prefix_router.launch import start_envoy, start_ext_proc, start_module
-from prefix_router.procs import ManagedProcess, free_port
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.envoy.bootstrap import BootstrapParams
+from prefix_router.ops.launch import start_envoy, start_ext_proc, start_module
+from prefix_router.ops.procs import ManagedProcess, free_port
 from tests.conftest import ProcessReaper
 
 

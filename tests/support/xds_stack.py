@@ -14,10 +14,10 @@ from typing import Any
 import httpx
 import yaml
 
-from prefix_router.config import RouterConfig
-from prefix_router.envoy_bootstrap import BootstrapParams
-from prefix_router.launch import start_envoy, start_ext_proc, start_module
-from prefix_router.procs import ManagedProcess, free_port
+from prefix_router.core.config import RouterConfig
+from prefix_router.envoy.bootstrap import BootstrapParams
+from prefix_router.ops.launch import start_envoy, start_ext_proc, start_module
+from prefix_router.ops.procs import ManagedProcess, free_port
 from tests.conftest import REDIS_URL, ProcessReaper
 
 TOKEN = "test-admin-token"

@@ -1,0 +1,1 @@
+"""Measurement scripts, each runnable as ``python -m bench.scripts.NAME`` (or by path)."""

@@ -1,0 +1,174 @@
+"""Shared helpers for the benchmark scripts: a static stack on loopback and wrk."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import re
+import shutil
+import subprocess
+import sys
+import tempfile
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[2]
+"""The repository root (results are written under ``bench/results``)."""
+
+_UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
+
+
+def require_wrk() -> str:
+    wrk = shutil.which("wrk")
+    if wrk is None:
+        sys.exit("this benchmark drives load with wrk: apt-get install wrk")
+    return wrk
+
+
+def chat_body(size: int) -> bytes:
+    """An OpenAI chat body of about ``size`` bytes."""
+    filler = "lorem ipsum dolor sit amet " * (size // 27 + 1)
+    body = {
+        "model": "m",
+        "messages": [
+            {"role": "system", "content": filler[: max(0, size - 120)]},
+            {"role": "user", "content": "hello"},
+        ],
+        "max_tokens": 16,
+    }
+    return json.dumps(body).encode()
+
+
+def run_wrk(
+    url: str, body: bytes, *, connections: int, threads: int, seconds: int
+) -> dict[str, float]:
+    """p50/p99 latency (ms) and requests/s of ``POST url`` with ``body``."""
+    with tempfile.TemporaryDirectory() as tmp:
+        body_file = Path(tmp) / "body.json"
+        body_file.write_bytes(body)
+        script = Path(tmp) / "post.lua"
+        script.write_text(
+            'wrk.method = "POST"\n'
+            'wrk.headers["Content-Type"] = "application/json"\n'
+            f'local f = io.open("{body_file}", "rb")\nwrk.body = f:read("*a")\nf:close()\n'
+        )
+        out = subprocess.run(
+            [
+                require_wrk(),
+                "-t",
+                str(threads),
+                "-c",
+                str(connections),
+                "-d",
+                f"{seconds}s",
+                "--latency",
+                "-s",
+                str(script),
+                url,
+            ],
+            capture_output=True,
+            text=True,
+            check=True,
+            timeout=seconds + 30,
+        ).stdout
+    result = {"rps": float(re.search(r"Requests/sec:\s+([\d.]+)", out).group(1))}  # type: ignore[union-attr]
+    for pct in ("50", "99"):
+        m = re.search(rf"^\s+{pct}%\s+([\d.]+)(us|ms|s)\s*$", out, re.M)
+        result[f"p{pct}"] = float(m.group(1)) * _UNITS[m.group(2)] if m else float("nan")
+    errors = re.search(r"Non-2xx or 3xx responses: (\d+)", out)
+    result["errors"] = float(errors.group(1)) if errors else 0.0
+    return result
+
+
+class Connection:
+    """A minimal keep-alive HTTP/1.1 client over asyncio streams.
+
+    httpx costs more CPU per streamed request than the simulator itself, so with two cores
+    it would measure the driver; this reads chunked SSE bodies with a few C-level calls.
+    """
+
+    def __init__(self, host: str, port: int) -> None:
+        self.host, self.port = host, port
+        self.reader: asyncio.StreamReader | None = None
+        self.writer: asyncio.StreamWriter | None = None
+
+    async def post(self, path: str, body: bytes) -> tuple[int, bytes]:
+        if self.writer is None:
+            self.reader, self.writer = await asyncio.open_connection(self.host, self.port)
+        assert self.reader is not None
+        head = (f"POST {path} HTTP/1.1\r\nHost: {self.host}:{self.port}\r\n"
+                f"Content-Type: application/json\r\nContent-Length: {len(body)}\r\n\r\n")
+        self.writer.write(head.encode() + body)
+        raw_head = await self.reader.readuntil(b"\r\n\r\n")
+        status = int(raw_head[9:12])
+        headers = raw_head.lower()
+        if b"transfer-encoding: chunked" in headers:
+            parts = []
+            while True:
+                size = int((await self.reader.readuntil(b"\r\n"))[:-2], 16)
+                data = await self.reader.readexactly(size + 2)
+                if size == 0:
+                    break
+                parts.append(data[:-2])
+            return status, b"".join(parts)
+        length = int(headers.split(b"content-length: ", 1)[1].split(b"\r\n", 1)[0])
+        return status, await self.reader.readexactly(length)
+
+    def close(self) -> None:
+        if self.writer is not None:
+            self.writer.close()
+
+
+class CpuCap:
+    """Confine processes to ``cores`` CPUs with a cgroup CPU quota (needs root).
+
+    Scaling benchmarks on a small machine: capping each ext_proc leaves the machine
+    headroom, so adding a process can show the throughput it adds. Uses the cgroup v1
+    ``cpu`` controller or, on a pure cgroup v2 host, ``cpu.max``.
+    """
+
+    PERIOD_US = 100_000
+
+    def __init__(self, name: str, cores: float) -> None:
+        v1 = Path("/sys/fs/cgroup/cpu")
+        v2 = Path("/sys/fs/cgroup")
+        if (v1 / "cpu.cfs_quota_us").exists():
+            self.root, self.v2 = v1, False
+        elif "cpu" in (v2 / "cgroup.controllers").read_text(errors="ignore").split():
+            self.root, self.v2 = v2, True
+        else:
+            sys.exit("no cgroup cpu controller: run without --cpu-cap")
+        self.path = self.root / name
+        quota = max(1000, int(cores * self.PERIOD_US))
+        try:
+            self.path.mkdir(exist_ok=True)
+            if self.v2:
+                (self.path / "cpu.max").write_text(f"{quota} {self.PERIOD_US}")
+            else:
+                (self.path / "cpu.cfs_period_us").write_text(str(self.PERIOD_US))
+                (self.path / "cpu.cfs_quota_us").write_text(str(quota))
+        except PermissionError:
+            sys.exit("creating a cgroup needs root: run without --cpu-cap")
+
+    def add(self, pid: int) -> None:
+        (self.path / "cgroup.procs").write_text(str(pid))
+
+    def remove(self) -> None:
+        """Move what is left back to the root group and delete the group."""
+        procs = self.path / "cgroup.procs"
+        for pid in procs.read_text().split() if procs.exists() else ():
+            try:
+                (self.root / "cgroup.procs").write_text(pid)
+            except OSError:
+                pass  # exited meanwhile
+        try:
+            self.path.rmdir()
+        except OSError:
+            pass
+
+
+def cpu_seconds(pid: int) -> float:
+    """User + system CPU seconds a process has used so far."""
+    import psutil
+
+    times = psutil.Process(pid).cpu_times()
+    return float(times.user + times.system)

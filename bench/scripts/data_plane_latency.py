@@ -1,0 +1,149 @@
+"""What ext_proc adds to a request: Envoy -> backend directly vs through ext_proc.
+
+Starts, on 127.0.0.1: three echo backends, P prefix-router ext_proc processes on
+each transport (our HTTP/2 server, the default, and grpcio), P bare ones
+(``bare_ext_proc.py``: grpcio, continue, decide nothing) and four Envoys over the
+same static fleet: one with the filter turned off, one through the bare ext_proc,
+one through each of prefix-router's. The bare one is the yardstick that does not
+depend on the machine: what a Python ext_proc on grpcio costs at all.
+For 1 KB and 64 KB OpenAI chat bodies it measures, with wrk, latency p50/p99 at
+concurrency 1 and requests/s at concurrency 16, and during the latter the ext_proc
+processes' CPU time per request: its inverse is the requests/s one process serves
+on a core of its own, a figure the other processes on the machine move much less
+than they move requests/s (Envoy, wrk and the backends share its two cores). It
+prints a markdown table (also written to bench/results/data_plane_latency.md).
+
+    python bench/scripts/data_plane_latency.py [--ext-procs 1] [--seconds 8]
+"""
+
+from __future__ import annotations
+
+import argparse
+import tempfile
+from collections.abc import Callable
+from pathlib import Path
+
+from bench.scripts._harness import ROOT, chat_body, cpu_seconds, run_wrk
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.envoy.bootstrap import BootstrapParams
+from prefix_router.ops.launch import start_envoy, start_ext_proc, start_module
+from prefix_router.ops.procs import ManagedProcess, free_port
+
+PATHS = {
+    "direct": "Envoy alone",
+    "bare": "bare Python ext_proc (grpcio)",
+    "ext_proc": "prefix-router ext_proc",
+    "ext_proc_grpcio": "prefix-router ext_proc, grpcio transport",
+}
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--ext-procs", type=int, default=1)
+    parser.add_argument("--seconds", type=int, default=8)
+    parser.add_argument("--envoy-concurrency", type=int, default=2)
+    parser.add_argument("--redis-url", help="share counts through Redis (full decision path)")
+    args = parser.parse_args()
+
+    started: list[ManagedProcess] = []
+    logs = Path(tempfile.mkdtemp(prefix="bench-dp-"))
+    try:
+        ports = [free_port() for _ in range(3)]
+        started.append(
+            start_module(
+                "backends",
+                "tests.support.echo_backend",
+                [str(p) for p in ports],
+                logs,
+                ready_ports=ports,
+            )
+        )
+        fleet = Fleet.of([Instance("127.0.0.1", p) for p in ports])
+        config = RouterConfig()
+        ep_args = [a for p in ports for a in ("--backend", f"127.0.0.1:{p}")]
+        if args.redis_url:
+            ep_args += ["--redis-url", args.redis_url, "--namespace", "bench-dp:"]
+
+        def ours(transport: str) -> Callable[[int], ManagedProcess]:
+            extra = ["--transport", transport]
+            return lambda port: start_ext_proc(port, logs, args=[*ep_args, *extra])
+
+        def bare(port: int) -> ManagedProcess:
+            return start_module(
+                f"bare-{port}", "bench.bare_ext_proc", [str(port)], logs, ready_ports=[port]
+            )
+
+        starters = {"bare": bare, "ext_proc": ours("http2"), "ext_proc_grpcio": ours("grpcio")}
+        pids: dict[str, list[int]] = {"direct": []}
+        urls = {}
+        for name in PATHS:
+            eps = [free_port() for _ in range(args.ext_procs)] if name in starters else []
+            for port in eps:
+                started.append(starters[name](port))
+                pids.setdefault(name, []).append(started[-1].pid)
+            params = BootstrapParams(
+                listen_port=free_port(),
+                admin_port=free_port(),
+                ext_proc=tuple(("127.0.0.1", p) for p in eps),
+            )
+            started.append(
+                start_envoy(
+                    params,
+                    config,
+                    logs,
+                    fleet=fleet,
+                    name=f"envoy-{name}",
+                    concurrency=args.envoy_concurrency,
+                )
+            )
+            urls[name] = f"http://127.0.0.1:{params.listen_port}/v1/chat/completions"
+
+        rows = []
+        for size in (1024, 64 * 1024):
+            body = chat_body(size)
+            latency = {
+                name: run_wrk(url, body, connections=1, threads=1, seconds=args.seconds)
+                for name, url in urls.items()
+            }
+            rate, cpu_us = {}, {}
+            for name, url in urls.items():
+                before = sum(cpu_seconds(pid) for pid in pids[name])
+                rate[name] = run_wrk(url, body, connections=16, threads=2, seconds=args.seconds)
+                used = sum(cpu_seconds(pid) for pid in pids[name]) - before
+                cpu_us[name] = used / (rate[name]["rps"] * args.seconds) * 1e6
+            direct = latency["direct"]
+            for name, label in PATHS.items():
+                r, t = latency[name], rate[name]
+                added = ["-", "-"]
+                cpu = "-"
+                if name != "direct":
+                    added = [f"**{r[q] - direct[q]:+.2f}**" for q in ("p50", "p99")]
+                    cpu = f"{cpu_us[name]:.0f} us = **{1e6 / cpu_us[name]:,.0f}**"
+                rows.append(
+                    f"| {size // 1024} KB | {label} | {r['p50']:.2f} | {r['p99']:.2f} | "
+                    f"{added[0]} | {added[1]} | **{t['rps']:.0f}** | {cpu} | "
+                    f"{int(r['errors'] + t['errors'])} |"
+                )
+        table = "\n".join(
+            [
+                f"ext_proc processes: {args.ext_procs}; Envoy workers: {args.envoy_concurrency}; "
+                f"load store: {'Redis' if args.redis_url else 'in-process'}",
+                "",
+                "| body | path | p50 ms | p99 ms | added p50 ms | added p99 ms "
+                "| req/s (c16) | ext_proc CPU a request = req/s a core | non-2xx |",
+                "|---|---|---|---|---|---|---|---|---|",
+                *rows,
+            ]
+        )
+        print(table)
+        out = ROOT / "bench" / "results" / "data_plane_latency.md"
+        with out.open("a") as f:
+            f.write(table + "\n\n")
+    finally:
+        for proc in reversed(started):
+            proc.stop()
+
+
+if __name__ == "__main__":
+    main()

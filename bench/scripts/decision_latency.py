@@ -1,0 +1,87 @@
+"""Latency of one routing decision: the key alone, the full decision on in-process counts,
+and the full decision with fleet-wide counts in Redis (one Lua call, one round trip).
+
+    python bench/scripts/decision_latency.py [--redis-url redis://127.0.0.1:6379/0] [--n 5000]
+
+Sequential decisions (one in flight at a time), 8 instances, a 4 KB chat body; prints
+p50/p99 in microseconds and the difference Redis adds. Every count taken is given back.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import statistics
+import time
+import uuid
+
+from bench.scripts._harness import chat_body
+from ext_proc.router import RequestRouter
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.core.key import extract_key
+from prefix_router.core.table import RoutingTable
+from prefix_router.state.loads import InMemoryLoadStore, LoadStore
+from prefix_router.state.loads.redis_store import RedisLoadStore
+
+PATH = "/v1/chat/completions"
+
+
+def percentiles(samples: list[float]) -> tuple[float, float]:
+    samples.sort()
+    return statistics.median(samples), samples[int(0.99 * (len(samples) - 1))]
+
+
+async def time_decisions(store: LoadStore, table: RoutingTable, body: bytes, n: int) -> list[float]:
+    router = RequestRouter(table, store)
+    out = []
+    for _ in range(n):
+        started = time.perf_counter()
+        result = await router.route(body, path=PATH, tenant="t")
+        out.append((time.perf_counter() - started) * 1e6)
+        router.finish(result)
+    return out
+
+
+async def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--n", type=int, default=5000)
+    args = parser.parse_args()
+    config = RouterConfig()
+    table = RoutingTable.build(Fleet.of([Instance("10.0.0.1", 8000 + i) for i in range(8)]), config)
+    body = chat_body(4096)
+
+    key_only = []
+    for _ in range(args.n):
+        started = time.perf_counter()
+        extract_key(body, settings=table.key_settings, path=PATH, tenant="t")
+        key_only.append((time.perf_counter() - started) * 1e6)
+    memory = await time_decisions(InMemoryLoadStore(), table, body, args.n)
+    store = await RedisLoadStore.connect(
+        args.redis_url, namespace=f"bench-decision-{uuid.uuid4().hex[:6]}:", timeout_s=0.1
+    )
+    try:
+        await time_decisions(store, table, body, 200)  # warm the connection and the script
+        redis = await time_decisions(store, table, body, args.n)
+    finally:
+        await store.close()
+    rows = {
+        "key alone": key_only,
+        "decision, in-process counts": memory,
+        "decision, Redis counts": redis,
+    }
+    print("| path | p50 us | p99 us |")
+    print("|---|---|---|")
+    stats = {name: percentiles(v) for name, v in rows.items()}
+    for name, (p50, p99) in stats.items():
+        print(f"| {name} | {p50:.0f} | {p99:.0f} |")
+    added50 = stats["decision, Redis counts"][0] - stats["key alone"][0]
+    added99 = stats["decision, Redis counts"][1] - stats["key alone"][1]
+    print(
+        f"\nRedis decision path adds p50 {added50:.0f} us, p99 {added99:.0f} us over the key alone"
+    )
+
+
+if __name__ == "__main__":
+    asyncio.run(main())

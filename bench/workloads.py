@@ -1,0 +1,288 @@
+"""Seeded workload generators: who shares which prefix, and when requests arrive.
+
+Every generator takes a frozen parameter object and returns a :class:`Workload` whose
+arrivals follow a Poisson process at ``rate`` requests per model-second. The same
+parameters (seed included) always give the same workload, byte for byte.
+
+==================  =========================================================================
+``system-prompt``   a few long system prompts, short user turns
+``rag``             a pool of long documents, many questions per document (Zipf popularity)
+``chat``            multi-turn conversations; each turn resends the conversation so far
+``code``            code completion: a file's content as context, an edited region at its end
+``unique``          every prompt unique from its first byte: routing cannot help
+``hot-prefix``      system prompts where one prompt carries ``hot_share`` of the traffic
+==================  =========================================================================
+
+Sizes are in tokens of the simulator's tokenizer (4 bytes each). Each workload is built so
+its requests differ within the first 1024 bytes of the rendered prompt (the default
+PrefixLength) exactly where their cacheable prefixes differ.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import itertools
+import random
+from collections.abc import Callable, Iterator, Mapping
+from dataclasses import dataclass
+from typing import Any
+
+from bench.spec import Arrival, Turn, Workload
+from bench.text import BYTES_PER_TOKEN, filler
+
+
+@dataclass(frozen=True, kw_only=True)
+class Common:
+    requests: int = 2000
+    """Requests in the run (conversation turns count one each)."""
+    rate: float = 8.0
+    """Arrivals of requests per model-second, fleet-wide (Poisson)."""
+    seed: int = 1
+    output_min: int = 64
+    output_max: int = 256
+
+    def __post_init__(self) -> None:
+        if self.requests < 1 or self.rate <= 0:
+            raise ValueError("requests must be >= 1 and rate > 0")
+        if not 1 <= self.output_min <= self.output_max:
+            raise ValueError("need 1 <= output_min <= output_max")
+
+
+@dataclass(frozen=True, kw_only=True)
+class SystemPromptParams(Common):
+    prompts: int = 48
+    prompt_tokens: int = 6000
+    user_min: int = 40
+    user_max: int = 200
+    skew: float = 0.0
+    """Zipf exponent of prompt popularity (0: uniform)."""
+
+
+@dataclass(frozen=True, kw_only=True)
+class HotPrefixParams(SystemPromptParams):
+    hot_share: float = 0.5
+    """Fraction of all requests that use prompt 0."""
+    user_min: int = 1000
+    user_max: int = 2000
+    output_min: int = 32
+    output_max: int = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class RagParams(Common):
+    docs: int = 96
+    doc_tokens: int = 4000
+    instruction_tokens: int = 48
+    question_min: int = 15
+    question_max: int = 60
+    skew: float = 0.3
+
+
+@dataclass(frozen=True, kw_only=True)
+class ChatParams(Common):
+    system_tokens: int = 100
+    turns_min: int = 3
+    turns_max: int = 8
+    user_min: int = 50
+    user_max: int = 300
+    think_mean_s: float = 10.0
+
+
+@dataclass(frozen=True, kw_only=True)
+class CodeParams(Common):
+    files: int = 48
+    file_min: int = 2000
+    file_max: int = 6000
+    edit_min: int = 8
+    edit_max: int = 64
+    """Tokens of the edited region at the end of the file, new in every request."""
+    keep: float = 0.5
+    """Probability that an edit stays in the file (later requests share it)."""
+    growth_max: int = 2000
+    """Tokens a file may grow by through kept edits."""
+    skew: float = 0.8
+    output_min: int = 16
+    output_max: int = 64
+
+
+@dataclass(frozen=True, kw_only=True)
+class UniqueParams(Common):
+    prompt_min: int = 1000
+    prompt_max: int = 6000
+
+
+# -- shared pieces --------------------------------------------------------------------------
+
+
+def _arrival_times(rng: random.Random, rate: float) -> Iterator[float]:
+    t = 0.0
+    while True:
+        t += rng.expovariate(rate)
+        yield t
+
+
+def _popularity(count: int, skew: float) -> list[float]:
+    """Cumulative Zipf weights over ``count`` items."""
+    return list(itertools.accumulate(1.0 / (i + 1) ** skew for i in range(count)))
+
+
+def _output(rng: random.Random, p: Common) -> int:
+    return rng.randint(p.output_min, p.output_max)
+
+
+def _single(t: float, group: str, turn: Turn) -> Arrival:
+    return Arrival(arrival_s=t, group=group, turns=(turn,))
+
+
+# -- generators -----------------------------------------------------------------------------
+
+
+def _system_prompt(p: SystemPromptParams) -> Iterator[Arrival]:
+    rng = random.Random(f"{p.seed}:system-prompt")
+    prompts = [filler(f"{p.seed}:system:{i}", p.prompt_tokens) for i in range(p.prompts)]
+    weights = _popularity(p.prompts, p.skew)
+    for n, t in zip(range(p.requests), _arrival_times(rng, p.rate), strict=False):
+        i = rng.choices(range(p.prompts), cum_weights=weights)[0]
+        question = filler(f"{p.seed}:user:{n}", rng.randint(p.user_min, p.user_max))
+        turn = Turn(max_tokens=_output(rng, p),
+                    messages=(("system", prompts[i]), ("user", question)))
+        yield _single(t, f"system-{i}", turn)
+
+
+def _hot_prefix(p: HotPrefixParams) -> Iterator[Arrival]:
+    rng = random.Random(f"{p.seed}:hot-prefix")
+    prompts = [filler(f"{p.seed}:hot:{i}", p.prompt_tokens) for i in range(p.prompts)]
+    for n, t in zip(range(p.requests), _arrival_times(rng, p.rate), strict=False):
+        i = 0 if rng.random() < p.hot_share else rng.randrange(1, p.prompts)
+        question = filler(f"{p.seed}:user:{n}", rng.randint(p.user_min, p.user_max))
+        turn = Turn(max_tokens=_output(rng, p),
+                    messages=(("system", prompts[i]), ("user", question)))
+        yield _single(t, "hot" if i == 0 else f"system-{i}", turn)
+
+
+def _rag(p: RagParams) -> Iterator[Arrival]:
+    rng = random.Random(f"{p.seed}:rag")
+    instruction = "Answer from the document only. " + filler(
+        f"{p.seed}:instruction", p.instruction_tokens
+    )
+    docs = [filler(f"{p.seed}:doc:{i}", p.doc_tokens) for i in range(p.docs)]
+    weights = _popularity(p.docs, p.skew)
+    for n, t in zip(range(p.requests), _arrival_times(rng, p.rate), strict=False):
+        d = rng.choices(range(p.docs), cum_weights=weights)[0]
+        question = filler(f"{p.seed}:question:{n}", rng.randint(p.question_min, p.question_max))
+        content = f"<document id={d}>\n{docs[d]}\n</document>\nQuestion: {question}"
+        turn = Turn(max_tokens=_output(rng, p),
+                    messages=(("system", instruction), ("user", content)))
+        yield _single(t, f"doc-{d}", turn)
+
+
+def _chat(p: ChatParams) -> Iterator[Arrival]:
+    rng = random.Random(f"{p.seed}:chat")
+    system = "You are a helpful assistant. " + filler(f"{p.seed}:chat-system", p.system_tokens)
+    mean_turns = (p.turns_min + p.turns_max) / 2
+    remaining = p.requests
+    for c, t in enumerate(_arrival_times(rng, p.rate / mean_turns)):
+        if remaining <= 0:
+            return
+        count = min(remaining, rng.randint(p.turns_min, p.turns_max))
+        turns = []
+        for k in range(count):
+            user = filler(f"{p.seed}:chat:{c}:{k}", rng.randint(p.user_min, p.user_max))
+            messages = (("system", system), ("user", user)) if k == 0 else (("user", user),)
+            think = 0.0 if k == 0 else rng.expovariate(1.0 / p.think_mean_s)
+            turns.append(Turn(max_tokens=_output(rng, p), messages=messages, think_s=think))
+        remaining -= count
+        yield Arrival(arrival_s=t, group=f"chat-{c}", turns=tuple(turns))
+
+
+def _code(p: CodeParams) -> Iterator[Arrival]:
+    rng = random.Random(f"{p.seed}:code")
+    bodies = [
+        f"# file: src/module_{i}.py\n"
+        + filler(f"{p.seed}:file:{i}", rng.randint(p.file_min, p.file_max))
+        for i in range(p.files)
+    ]
+    limits = [len(b) + p.growth_max * BYTES_PER_TOKEN for b in bodies]
+    weights = _popularity(p.files, p.skew)
+    for n, t in zip(range(p.requests), _arrival_times(rng, p.rate), strict=False):
+        f = rng.choices(range(p.files), cum_weights=weights)[0]
+        edit = "\n" + filler(f"{p.seed}:edit:{n}", rng.randint(p.edit_min, p.edit_max))
+        turn = Turn(max_tokens=_output(rng, p), prompt=bodies[f] + edit)
+        if rng.random() < p.keep and len(bodies[f]) + len(edit) <= limits[f]:
+            bodies[f] += edit  # the edit stays: later requests on this file start with it
+        yield _single(t, f"file-{f}", turn)
+
+
+def _unique(p: UniqueParams) -> Iterator[Arrival]:
+    rng = random.Random(f"{p.seed}:unique")
+    for n, t in zip(range(p.requests), _arrival_times(rng, p.rate), strict=False):
+        prompt = filler(f"{p.seed}:unique:{n}", rng.randint(p.prompt_min, p.prompt_max))
+        turn = Turn(max_tokens=_output(rng, p), messages=(("user", prompt),))
+        yield _single(t, f"unique-{n}", turn)
+
+
+def system_prompt(p: SystemPromptParams) -> Workload:
+    return Workload("system-prompt", p.requests, lambda: _system_prompt(p))
+
+
+def hot_prefix(p: HotPrefixParams) -> Workload:
+    if not 0.0 <= p.hot_share <= 1.0 or p.prompts < 2:
+        raise ValueError("hot-prefix needs 0 <= hot_share <= 1 and prompts >= 2")
+    return Workload("hot-prefix", p.requests, lambda: _hot_prefix(p))
+
+
+def rag(p: RagParams) -> Workload:
+    return Workload("rag", p.requests, lambda: _rag(p))
+
+
+def chat(p: ChatParams) -> Workload:
+    if not 1 <= p.turns_min <= p.turns_max:
+        raise ValueError("need 1 <= turns_min <= turns_max")
+    return Workload("chat", p.requests, lambda: _chat(p))
+
+
+def code(p: CodeParams) -> Workload:
+    return Workload("code", p.requests, lambda: _code(p))
+
+
+def unique(p: UniqueParams) -> Workload:
+    return Workload("unique", p.requests, lambda: _unique(p))
+
+
+Generator = Callable[[Any], Workload]
+
+WORKLOADS: Mapping[str, tuple[type[Common], Generator]] = {
+    "system-prompt": (SystemPromptParams, system_prompt),
+    "rag": (RagParams, rag),
+    "chat": (ChatParams, chat),
+    "code": (CodeParams, code),
+    "unique": (UniqueParams, unique),
+    "hot-prefix": (HotPrefixParams, hot_prefix),
+}
+
+
+def make_params(name: str, overrides: Mapping[str, str | int | float] | None = None) -> Common:
+    """The parameters of workload ``name`` with ``overrides`` (strings are converted)."""
+    if name not in WORKLOADS:
+        raise ValueError(f"unknown workload {name!r}; known: {', '.join(WORKLOADS)}")
+    cls = WORKLOADS[name][0]
+    fields = {f.name: f for f in dataclasses.fields(cls)}
+    values: dict[str, Any] = {}
+    for key, raw in (overrides or {}).items():
+        key = key.replace("-", "_")
+        if key not in fields:
+            raise ValueError(f"workload {name!r} has no parameter {key!r}; "
+                             f"known: {', '.join(sorted(fields))}")
+        kind = type(fields[key].default)
+        values[key] = kind(raw) if isinstance(raw, str) and kind in (int, float) else raw
+    return cls(**values)
+
+
+def generate(name: str, overrides: Mapping[str, str | int | float] | None = None) -> Workload:
+    """Build workload ``name`` (see :data:`WORKLOADS`) with parameter ``overrides``."""
+    return WORKLOADS[name][1](make_params(name, overrides))
+
+
+def describe(params: Common) -> str:
+    """``name=value`` for every parameter, for reports."""
+    return ", ".join(f"{f.name}={getattr(params, f.name)}" for f in dataclasses.fields(params))

@@ -1,0 +1,239 @@
+"""The one configuration model of prefix-router.
+
+Every setting that changes how requests are routed lives in :class:`RouterConfig`:
+the prefix key (PrefixLength, mode, tenant header), the placement of new
+prefixes, the overload spill (ConcurrencyThreshold and policy), the ring sizing
+and the Envoy cluster's health checking, outlier detection, circuit breakers and
+retries. The same
+model validates the YAML file at start-up, the admin API's PUT/PATCH bodies and
+what ext_proc reads back from Redis, so an invalid value is rejected in one
+place with one message.
+
+Models are frozen: a config is a value. Changing it means building a new one
+(:meth:`RouterConfig.patched`), which is validated as a whole before it exists.
+"""
+
+from __future__ import annotations
+
+from enum import StrEnum
+from typing import Any
+
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+
+from prefix_router.core.errors import ConfigError
+
+MIB = 1024 * 1024
+DEFAULT_OPENAI_MAX_PARSE_BYTES = 4 * MIB
+
+
+class PrefixMode(StrEnum):
+    """How the prefix key is derived from a request body."""
+
+    BYTES = "bytes"
+    """The first PrefixLength bytes of the raw body."""
+    OPENAI = "openai"
+    """The first PrefixLength bytes of a canonical rendering of an OpenAI request."""
+
+
+class SpillPolicyName(StrEnum):
+    """Which overload policy decides when a request leaves its home instance."""
+
+    NONE = "none"
+    BOUNDED_LOAD = "bounded-load"
+    RELATIVE_LOAD = "relative-load"
+
+
+class PlacementPolicyName(StrEnum):
+    """Where a prefix seen for the first time starts: the instance that becomes its home."""
+
+    HOME = "home"
+    """The ring's pick, whatever the load: pure consistent hashing."""
+    LEAST_LOADED = "least-loaded"
+    """The least loaded of the prefix's first ``width`` ring candidates."""
+
+
+class _Frozen(BaseModel):
+    model_config = ConfigDict(frozen=True, extra="forbid", use_enum_values=False)
+
+
+class SpillConfig(_Frozen):
+    """Overload spill: when the home instance is busy, walk the ring to the next one."""
+
+    policy: SpillPolicyName = SpillPolicyName.BOUNDED_LOAD
+    load_factor: float = Field(
+        1.25,
+        gt=1.0,
+        le=100.0,
+        description="relative-load: no instance above load_factor x the fleet mean in-flight.",
+    )
+
+
+class PlacementConfig(_Frozen):
+    """Where a new prefix goes, and how long its placement is remembered.
+
+    A prefix nobody has sent within ``memory_s`` is cached nowhere, so there is no
+    affinity to lose: ``least-loaded`` starts it on the least loaded of its first
+    ``width`` ring candidates, and its later requests follow it there. A prefix in
+    use keeps its home; spill still applies on top.
+    """
+
+    policy: PlacementPolicyName = PlacementPolicyName.LEAST_LOADED
+    width: int = Field(
+        4, ge=1, le=8, description="least-loaded: ring candidates a new prefix may start on."
+    )
+    memory_s: float = Field(
+        600.0,
+        ge=1.0,
+        le=86_400.0,
+        description="A placement unused for this long is forgotten (about a KV cache's "
+        "retention of an idle prefix).",
+    )
+
+
+class RingConfig(_Frozen):
+    """Envoy ring-hash sizing.
+
+    Each instance gets ``entries_per_weight x weight`` entries, whatever the fleet size,
+    so a membership change moves only the keys of the instance that came or went.
+    """
+
+    entries_per_weight: int = Field(256, ge=16, le=4096)
+
+
+class HealthCheckConfig(_Frozen):
+    """Envoy active health checking against each instance's ``/health``."""
+
+    path: str = "/health"
+    interval_ms: int = Field(1000, ge=50, le=600_000)
+    timeout_ms: int = Field(500, ge=10, le=60_000)
+    unhealthy_threshold: int = Field(2, ge=1, le=100)
+    healthy_threshold: int = Field(1, ge=1, le=100)
+
+
+class OutlierDetectionConfig(_Frozen):
+    """Envoy outlier detection: eject an instance that keeps answering 5xx."""
+
+    consecutive_5xx: int = Field(5, ge=1, le=1000)
+    interval_ms: int = Field(1000, ge=10, le=600_000)
+    base_ejection_time_ms: int = Field(5000, ge=10, le=3_600_000)
+    max_ejection_percent: int = Field(50, ge=0, le=100)
+
+
+class CircuitBreakerConfig(_Frozen):
+    """Envoy circuit-breaker limits for the model-serving cluster, and for the ext_proc
+    cluster, where every request in flight holds one stream."""
+
+    max_connections: int = Field(100_000, ge=1)
+    max_pending_requests: int = Field(100_000, ge=1)
+    max_requests: int = Field(100_000, ge=1)
+    max_retries: int = Field(16, ge=0)
+
+
+class RetryConfig(_Frozen):
+    """Envoy retry policy.
+
+    The default retries only failures that happen before the request reached an
+    instance (connect failure, refused stream, reset before the request), which
+    are safe for streaming and non-idempotent generations alike. Adding ``5xx``
+    or ``reset`` to ``retry_on`` may run a generation twice.
+    """
+
+    enabled: bool = True
+    num_retries: int = Field(2, ge=0, le=10)
+    retry_on: str = "connect-failure,refused-stream,reset-before-request"
+    per_try_timeout_ms: int = Field(0, ge=0, description="0: no per-try timeout.")
+
+
+class RouterConfig(_Frozen):
+    """Everything that decides where a request goes. One validated, versioned value."""
+
+    prefix_length: int = Field(
+        1024, ge=1, le=MIB, description="PrefixLength: bytes of the (rendered) prompt keyed on."
+    )
+    prefix_mode: PrefixMode = PrefixMode.OPENAI
+    openai_max_parse_bytes: int = Field(
+        DEFAULT_OPENAI_MAX_PARSE_BYTES,
+        ge=64 * 1024,
+        le=64 * MIB,
+        description="openai mode: larger bodies are keyed on their raw bytes, unparsed "
+        "(parsing is the one cost that grows with the whole body).",
+    )
+    tenant_header: str | None = Field(
+        "x-tenant-id", description="Header whose value scopes the key; null disables tenancy."
+    )
+    concurrency_threshold: int = Field(
+        16, ge=1, le=1_000_000, description="ConcurrencyThreshold: in-flight requests per instance."
+    )
+    spill: SpillConfig = SpillConfig()
+    placement: PlacementConfig = PlacementConfig()
+    ring: RingConfig = RingConfig()
+    health_check: HealthCheckConfig = HealthCheckConfig()
+    outlier_detection: OutlierDetectionConfig = OutlierDetectionConfig()
+    circuit_breakers: CircuitBreakerConfig = CircuitBreakerConfig()
+    retry: RetryConfig = RetryConfig()
+    redis_timeout_ms: float = Field(
+        100.0,
+        gt=0,
+        le=1000,
+        description="Longest one Redis round trip may take; past it ext_proc routes on its "
+        "own counts and leaves Redis alone for a short back-off.",
+    )
+
+    @field_validator("tenant_header")
+    @classmethod
+    def _lowercase_header(cls, value: str | None) -> str | None:
+        if value is None or value == "":
+            return None
+        if not value.replace("-", "").replace("_", "").isalnum():
+            raise ValueError("tenant_header must be a header name (letters, digits, '-', '_')")
+        return value.lower()
+
+    def patched(self, changes: dict[str, Any]) -> RouterConfig:
+        """A new config with ``changes`` merged in (nested dicts merge), validated whole."""
+        merged = _deep_merge(self.model_dump(mode="json"), changes)
+        return parse_config(merged)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return self.model_dump(mode="json")
+
+
+def parse_config(data: Any) -> RouterConfig:
+    """Validate ``data`` into a :class:`RouterConfig`, raising :class:`ConfigError` with reasons."""
+    try:
+        return RouterConfig.model_validate(data)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None
+
+
+def describe_validation_error(exc: ValidationError) -> str:
+    """One line per problem: ``field.path: message``."""
+    parts = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"]) or "config"
+        parts.append(f"{where}: {err['msg']}")
+    return "; ".join(parts)
+
+
+def _deep_merge(base: dict[str, Any], changes: dict[str, Any]) -> dict[str, Any]:
+    out = dict(base)
+    for key, value in changes.items():
+        if isinstance(value, dict) and isinstance(out.get(key), dict):
+            out[key] = _deep_merge(out[key], value)
+        else:
+            out[key] = value
+    return out
+
+
+def load_config_file(path: str) -> RouterConfig:
+    """A :class:`RouterConfig` from a YAML file (its ``routing:`` section, or the whole file)."""
+    import yaml
+
+    try:
+        with open(path) as f:
+            data = yaml.safe_load(f) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read config file {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"config file {path}: expected a mapping at the top level")
+    section = data.get("routing", data)
+    return parse_config(section)

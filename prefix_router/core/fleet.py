@@ -1,0 +1,142 @@
+"""The fleet: model-serving instances and the immutable, versioned view of them.
+
+An :class:`Instance` is a value (address, port, weight, models, state). A
+:class:`Fleet` is an immutable, versioned tuple of instances sorted by id: the
+control plane publishes it to Envoy (EDS, in this order) and ext_proc builds its
+ring mirror from it, so both sides see the same membership in the same order.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field, replace
+from enum import StrEnum
+from typing import Any
+
+from prefix_router.core.errors import FleetError
+
+
+class InstanceState(StrEnum):
+    ACTIVE = "active"
+    DRAINING = "draining"
+    """Receives no new requests; removed once its in-flight count is 0 or a timeout passes."""
+
+
+@dataclass(frozen=True, slots=True)
+class Instance:
+    """One model-serving instance (a vLLM server or a simulated one)."""
+
+    address: str
+    port: int
+    weight: int = 1
+    models: tuple[str, ...] = ()
+    state: InstanceState = InstanceState.ACTIVE
+    hash_key: str | None = None
+    """Envoy ``envoy.lb`` metadata ``hash_key``: a ring identity that survives address changes."""
+    healthy: bool = True
+    draining_since: float | None = None
+
+    def __post_init__(self) -> None:
+        if not self.address:
+            raise FleetError("instance address must not be empty")
+        if not 0 < self.port < 65536:
+            raise FleetError(f"instance port {self.port} out of range 1..65535")
+        if not 1 <= self.weight <= 128:
+            raise FleetError(f"instance weight {self.weight} out of range 1..128")
+
+    @property
+    def id(self) -> str:
+        """``address:port``, the name used everywhere (admin API, metrics, Redis)."""
+        return (
+            f"[{self.address}]:{self.port}"
+            if ":" in self.address
+            else f"{self.address}:{self.port}"
+        )
+
+    @property
+    def ring_key(self) -> str:
+        """The string Envoy hashes for this instance's ring entries."""
+        return self.hash_key or self.id
+
+    @property
+    def routable(self) -> bool:
+        """True when Envoy's load balancer may pick it for a new request."""
+        return self.state is InstanceState.ACTIVE and self.healthy
+
+    def with_changes(self, **changes: Any) -> Instance:
+        return replace(self, **changes)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {
+            "id": self.id,
+            "address": self.address,
+            "port": self.port,
+            "weight": self.weight,
+            "models": list(self.models),
+            "state": self.state.value,
+            "hash_key": self.hash_key,
+            "healthy": self.healthy,
+            "draining_since": self.draining_since,
+        }
+
+    @classmethod
+    def from_json_dict(cls, data: dict[str, Any]) -> Instance:
+        return cls(
+            address=str(data["address"]),
+            port=int(data["port"]),
+            weight=int(data.get("weight", 1)),
+            models=tuple(data.get("models") or ()),
+            state=InstanceState(data.get("state", "active")),
+            hash_key=data.get("hash_key"),
+            healthy=bool(data.get("healthy", True)),
+            draining_since=data.get("draining_since"),
+        )
+
+    @classmethod
+    def from_url(cls, url: str) -> Instance:
+        """``[http://]host:port[:weight[:hash_key]]`` -> Instance (the ``--backend`` flag)."""
+        rest = url.split("://", 1)[-1].rstrip("/")
+        if rest.startswith("["):
+            host, _, tail = rest[1:].partition("]")
+            fields = tail.lstrip(":").split(":")
+        else:
+            host, *fields = rest.split(":")
+        if not host or not fields or not fields[0].isdigit():
+            raise FleetError(f"backend {url!r} is not of the form [http://]host:port[:weight]")
+        weight = int(fields[1]) if len(fields) > 1 and fields[1] else 1
+        hash_key = fields[2] if len(fields) > 2 and fields[2] else None
+        return cls(address=host, port=int(fields[0]), weight=weight, hash_key=hash_key)
+
+
+@dataclass(frozen=True, slots=True)
+class Fleet:
+    """An immutable, versioned set of instances, sorted by id."""
+
+    version: int
+    instances: tuple[Instance, ...] = field(default=())
+
+    @classmethod
+    def of(cls, instances: list[Instance] | tuple[Instance, ...], version: int = 1) -> Fleet:
+        ids = [i.id for i in instances]
+        if len(set(ids)) != len(ids):
+            raise FleetError(f"duplicate instance ids in {ids}")
+        return cls(version=version, instances=tuple(sorted(instances, key=lambda i: i.id)))
+
+    def get(self, instance_id: str) -> Instance | None:
+        for inst in self.instances:
+            if inst.id == instance_id:
+                return inst
+        return None
+
+    @property
+    def routable(self) -> tuple[Instance, ...]:
+        return tuple(i for i in self.instances if i.routable)
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {"version": self.version, "instances": [i.to_json_dict() for i in self.instances]}
+
+    @classmethod
+    def from_json_dict(cls, data: dict[str, Any]) -> Fleet:
+        return cls.of(
+            [Instance.from_json_dict(d) for d in data.get("instances", [])],
+            version=int(data.get("version", 0)),
+        )

@@ -1,0 +1,294 @@
+"""The prefix key: which cached prefix a request would reuse, as one short string.
+
+Two modes (``RouterConfig.prefix_mode``):
+
+``bytes``
+    The first PrefixLength bytes of the raw body (the reference product's rule).
+
+``openai``
+    For JSON bodies on the OpenAI endpoints, a canonical rendering of what
+    reaches the model, in prompt order: the model name (LoRA adapters are model
+    names), the tools, then each message's role and content (content parts
+    joined as a chat template joins them), or the completion prompt; the first
+    PrefixLength bytes of that rendering are keyed on. JSON whitespace, key
+    order, number formatting, unicode escapes and fields that never reach the
+    prompt (temperature, stream, user, ...) do not change the key.
+
+Anything ``openai`` cannot render (another path, no body, invalid JSON or
+UTF-8, a body cut at Envoy's buffer limit, unexpected types) falls back to
+``bytes`` with a :class:`Fallback` reason that is counted, never raised. So does
+a body larger than ``RouterConfig.openai_max_parse_bytes``: parsing JSON is the one cost that
+grows with the whole body (a 10 MB body of many small messages takes ~70 ms to
+parse), and ext_proc's event loop must not stall on one request.
+
+Tenant scoping: the tenant header's value and the request's ``cache_salt`` are
+mixed into the key, so two tenants never share a key (and so never an
+instance's cache, which would leak timing across tenants).
+
+The key is ``xxh3_128(tenant, salt, prefix)`` in hex: 32 ASCII characters that
+Envoy's ring hashes with xxh64. Cost: one orjson parse plus one pass over at
+most PrefixLength bytes of rendering (~20 us for a 64 KB chat body). Rendering
+stops at PrefixLength: a 12 MB base64 image in the first message costs what its
+first PrefixLength characters cost, not a copy of the image.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterator
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Any
+
+import orjson
+import xxhash
+
+from prefix_router.core.config import DEFAULT_OPENAI_MAX_PARSE_BYTES, PrefixMode
+
+OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+
+_FIELD = "\x1f"
+_RECORD = "\x1e"
+
+
+class Fallback(StrEnum):
+    """Why ``openai`` mode fell back to ``bytes`` for one request."""
+
+    OTHER_PATH = "other_path"
+    NO_BODY = "no_body"
+    TRUNCATED = "truncated"
+    INVALID_JSON = "invalid_json"
+    NOT_AN_OBJECT = "not_an_object"
+    UNEXPECTED_SHAPE = "unexpected_shape"
+    TOO_LARGE = "too_large"
+
+
+@dataclass(frozen=True, slots=True)
+class KeySettings:
+    """The part of the config key extraction needs; hashable, built once per config."""
+
+    prefix_length: int
+    mode: PrefixMode
+    max_parse_bytes: int = DEFAULT_OPENAI_MAX_PARSE_BYTES
+    """``openai`` mode keys larger bodies on their raw bytes rather than parse them."""
+
+
+@dataclass(frozen=True, slots=True)
+class PrefixKey:
+    value: str
+    """The ``x-prefix-key`` header value."""
+    fallback: Fallback | None = None
+    """Set when ``openai`` mode fell back to ``bytes``."""
+
+
+class _Unrenderable(Exception):
+    def __init__(self, reason: Fallback) -> None:
+        self.reason = reason
+
+
+def extract_key(
+    body: bytes,
+    *,
+    settings: KeySettings,
+    path: str = "/v1/chat/completions",
+    tenant: str = "",
+    complete: bool = True,
+) -> PrefixKey:
+    """The prefix key of one request. Pure; never raises for any input.
+
+    ``complete`` is False when Envoy sent only the first part of a body larger
+    than its buffer: ``openai`` mode then keys on the raw bytes.
+    """
+    limit = settings.prefix_length
+    if settings.mode is PrefixMode.OPENAI:
+        try:
+            salt, prefix = _render_openai(
+                body, path=path, complete=complete, limit=limit, max_parse=settings.max_parse_bytes
+            )
+        except _Unrenderable as why:
+            return PrefixKey(_digest(tenant, "", body[:limit]), why.reason)
+        return PrefixKey(_digest(tenant, salt, prefix))
+    return PrefixKey(_digest(tenant, "", body[:limit]))
+
+
+def _digest(tenant: str, salt: str, prefix: bytes) -> str:
+    h = xxhash.xxh3_128()
+    if tenant or salt:
+        h.update(f"{tenant}{_FIELD}{salt}{_RECORD}".encode("utf-8", "surrogatepass"))
+    h.update(prefix)
+    return h.hexdigest()
+
+
+def _path_only(path: str) -> str:
+    return path.split("?", 1)[0]
+
+
+def _render_openai(
+    body: bytes, *, path: str, complete: bool, limit: int, max_parse: int
+) -> tuple[str, bytes]:
+    """``(cache_salt, first limit bytes of the canonical rendering)`` or :class:`_Unrenderable`.
+
+    Parts are rendered lazily and only until ``limit`` bytes exist: what lies past
+    the prefix is never examined.
+    """
+    route = _path_only(path)
+    if route not in OPENAI_PATHS:
+        raise _Unrenderable(Fallback.OTHER_PATH)
+    if not body:
+        raise _Unrenderable(Fallback.NO_BODY)
+    if not complete:
+        raise _Unrenderable(Fallback.TRUNCATED)
+    if len(body) > max_parse:
+        raise _Unrenderable(Fallback.TOO_LARGE)
+    try:
+        request = orjson.loads(body)
+    except (orjson.JSONDecodeError, RecursionError):
+        raise _Unrenderable(Fallback.INVALID_JSON) from None
+    if not isinstance(request, dict):
+        raise _Unrenderable(Fallback.NOT_AN_OBJECT)
+    try:
+        salt = request.get("cache_salt") or ""
+        if not isinstance(salt, str):
+            raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
+        return salt, _first_bytes(_render_parts(request, route, limit), limit)
+    except _Unrenderable:
+        raise
+    except (
+        TypeError,
+        ValueError,
+        AttributeError,
+        KeyError,
+        RecursionError,
+        orjson.JSONEncodeError,
+    ):
+        raise _Unrenderable(Fallback.UNEXPECTED_SHAPE) from None
+
+
+def _render_parts(request: dict[str, Any], route: str, limit: int) -> Iterator[str]:
+    """The rendering's parts in prompt order. Each part is cut at ``limit`` characters
+    at most (all the key can use of it), so no part costs more than the prefix does."""
+    yield _text(request.get("model", ""))
+    yield _canonical_json(request.get("tools"))
+    if route == "/v1/chat/completions":
+        yield from _render_messages(request.get("messages"), limit)
+    elif route == "/v1/completions":
+        yield _render_prompt(request.get("prompt"))
+    else:
+        yield _text(request.get("instructions") or "")
+        yield from _render_responses_input(request.get("input"), limit)
+
+
+def _first_bytes(parts: Iterator[str], limit: int) -> bytes:
+    """The first ``limit`` bytes of the parts joined by a record separator.
+
+    A str of n characters encodes to at least n bytes, so each part is cut to the
+    characters still needed before encoding: a 64 KB message costs what its
+    prefix costs.
+    """
+    out = bytearray()
+    for index, part in enumerate(parts):
+        if index:
+            out += b"\x1e"
+        out += part[: limit - len(out)].encode("utf-8", "surrogatepass")
+        if len(out) >= limit:
+            break
+    return bytes(out[:limit])
+
+
+def _text(value: Any) -> str:
+    if isinstance(value, str):
+        return value
+    raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
+
+
+def _canonical_json(value: Any) -> str:
+    if value is None:
+        return ""
+    return orjson.dumps(value, option=orjson.OPT_SORT_KEYS).decode()
+
+
+def _cut_strings(value: Any, limit: int) -> Any:
+    """``value`` with every string cut to ``limit`` characters.
+
+    Its canonical JSON then agrees with the uncut value's for at least the first
+    ``limit`` bytes (a cut string still renders to >= ``limit`` bytes), which is all
+    the key reads, while a 12 MB base64 image is never copied or escaped.
+    """
+    if isinstance(value, str):
+        return value[:limit]
+    if isinstance(value, dict):
+        return {k: _cut_strings(v, limit) for k, v in value.items()}
+    if isinstance(value, list):
+        return [_cut_strings(v, limit) for v in value]
+    return value
+
+
+def _render_messages(messages: Any, limit: int) -> Iterator[str]:
+    if not isinstance(messages, list) or not messages:
+        raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
+    for message in messages:
+        if not isinstance(message, dict):
+            raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
+        role = _text(message.get("role", ""))
+        rendered = role + _FIELD + _render_content(message.get("content"), limit)
+        for extra in ("name", "tool_call_id"):
+            if extra in message:
+                rendered += _FIELD + _text(message[extra])
+        if message.get("tool_calls"):
+            rendered += _FIELD + _canonical_json(_cut_strings(message["tool_calls"], limit))
+        yield rendered
+
+
+def _render_content(content: Any, limit: int) -> str:
+    """A message's content as a chat template renders it: text parts joined in order.
+
+    Only the first ``limit`` characters are rendered, which is all the key reads of
+    it (a character is at least a byte); a media part (image, audio, file) renders
+    as its canonical JSON with strings cut at ``limit``.
+    """
+    if content is None:
+        return ""
+    if isinstance(content, str):
+        return content[:limit]
+    if not isinstance(content, list):
+        raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
+    pieces = []
+    length = 0
+    for part in content:
+        if length >= limit:
+            break
+        if isinstance(part, str):
+            piece = part
+        elif isinstance(part, dict):
+            kind = part.get("type", "text")
+            if kind in ("text", "input_text", "output_text"):
+                piece = _text(part.get("text", ""))
+            else:
+                piece = _canonical_json(_cut_strings(part, limit))
+        else:
+            raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
+        pieces.append(piece[:limit])
+        length += len(piece) + 1
+    return "\n".join(pieces)
+
+
+def _render_prompt(prompt: Any) -> str:
+    if isinstance(prompt, str):
+        return prompt
+    if isinstance(prompt, list) and prompt:
+        if all(isinstance(p, str) for p in prompt):
+            return str(prompt[0])  # a batch: the first prompt's prefix decides the instance
+        if all(isinstance(p, int) and not isinstance(p, bool) for p in prompt):
+            return " ".join(map(str, prompt))
+        if isinstance(prompt[0], list):
+            return _render_prompt(prompt[0])
+    raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
+
+
+def _render_responses_input(items: Any, limit: int) -> Iterator[str]:
+    if isinstance(items, str):
+        yield "user" + _FIELD + items[:limit]
+    elif isinstance(items, list) and items:
+        messages = [i for i in items if isinstance(i, dict) and "role" in i]
+        yield from _render_messages(messages, limit)
+    else:
+        raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)

@@ -1,0 +1,215 @@
+"""Render ``envoy/bootstrap.yaml`` for one Envoy.
+
+Two fleet sources:
+
+* ``static``: the model cluster and its endpoints are written into the
+  bootstrap (a fixed fleet; the walking skeleton and single-file setups);
+* ``xds``: Envoy learns the cluster and endpoints from the control plane over
+  ADS (CDS + EDS), and follows every change made through the admin API.
+"""
+
+from __future__ import annotations
+
+import json
+import resource
+from dataclasses import dataclass
+from importlib import resources
+from pathlib import Path
+from string import Template
+from typing import Any
+
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.fleet import Fleet
+from prefix_router.envoy.addresses import is_ip_literal, names_in, resolve_now
+from prefix_router.envoy.cluster import MODEL_CLUSTER, circuit_breakers, model_cluster
+
+XDS_CLUSTER = "xds"
+EXT_PROC_CLUSTER = "ext_proc"
+
+
+def template_path() -> Path:
+    """The bootstrap template: ``envoy/bootstrap.yaml``, linked beside this module in a
+    checkout and copied there in a wheel."""
+    return Path(str(resources.files("prefix_router.envoy") / "bootstrap.yaml"))
+
+
+@dataclass(frozen=True, slots=True, kw_only=True)
+class BootstrapParams:
+    listen_address: str = "127.0.0.1"
+    listen_port: int
+    admin_address: str = "127.0.0.1"
+    admin_port: int
+    ext_proc: tuple[tuple[str, int], ...]
+    """``(host, port)`` of every ext_proc process; Envoy balances streams over them."""
+    node_id: str = "prefix-router-envoy"
+    xds: tuple[str, int] | None = None
+    """Control plane ``(host, port)``; None for a static fleet."""
+    body_buffer_bytes: int = 64 * 1024 * 1024 + 64 * 1024
+    max_body_bytes: int = 64 * 1024 * 1024
+    ext_proc_timeout_ms: int = 500
+    """Envoy waits this long for each ext_proc answer, then goes on without it
+    (failure_mode_allow). Generous: a request that times out loses its routing."""
+    lb_policy: str = "RING_HASH"
+    """Static fleet only: the model cluster's load balancer (benchmark baselines)."""
+    max_downstream_connections: int | None = None
+    """Open client connections Envoy keeps; more are closed at once. None: half the
+    open-file limit of the process that renders the bootstrap (Envoy's, when it starts
+    Envoy), since a request in flight holds a client and an upstream connection."""
+
+
+def default_max_downstream_connections() -> int:
+    """Half this process's open-file limit (at least 1,024; 1,000,000 if unlimited)."""
+    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if soft == resource.RLIM_INFINITY:
+        return 1_000_000
+    return max(1024, soft // 2)
+
+
+def _static_cluster(
+    name: str, hosts: tuple[tuple[str, int], ...], *, http2: bool
+) -> dict[str, Any]:
+    """A fixed cluster of ``hosts``: STATIC for IP literals, STRICT_DNS once any is a name.
+
+    With a name (a compose service, a Kubernetes headless Service) Envoy resolves every
+    A/AAAA record and re-resolves periodically, so all replicas behind it are used.
+    """
+    by_ip = all(is_ip_literal(h) for h, _ in hosts)
+    cluster: dict[str, Any] = {
+        "name": name,
+        "type": "STATIC" if by_ip else "STRICT_DNS",
+        "connect_timeout": "0.25s",
+        "lb_policy": "ROUND_ROBIN",
+        "load_assignment": {
+            "cluster_name": name,
+            "endpoints": [
+                {
+                    "lb_endpoints": [
+                        {
+                            "endpoint": {
+                                "address": {"socket_address": {"address": h, "port_value": p}}
+                            }
+                        }
+                        for h, p in hosts
+                    ]
+                }
+            ],
+        },
+    }
+    if not by_ip:
+        cluster["dns_lookup_family"] = "V4_PREFERRED"
+    if http2:
+        options = "envoy.extensions.upstreams.http.v3.HttpProtocolOptions"
+        cluster["typed_extension_protocol_options"] = {
+            options: {
+                "@type": f"type.googleapis.com/{options}",
+                "explicit_http_config": {"http2_protocol_options": {}},
+            }
+        }
+    return cluster
+
+
+def model_route(config: RouterConfig, *, ext_proc: bool = True) -> dict[str, Any]:
+    """The data-plane route: hash on x-prefix-key, never time out a long generation.
+
+    Without ext_proc processes (a baseline for benchmarks) the route turns the filter off.
+    """
+    route: dict[str, Any] = {
+        "cluster": MODEL_CLUSTER,
+        "timeout": "0s",
+        "hash_policy": [{"header": {"header_name": "x-prefix-key"}}],
+    }
+    retry = config.retry
+    if retry.enabled and retry.num_retries > 0:
+        policy: dict[str, Any] = {
+            "retry_on": retry.retry_on,
+            "num_retries": retry.num_retries,
+            # With RING_HASH a retry would hash to the same dead host; this makes Envoy
+            # walk on along the ring instead.
+            "retry_host_predicate": [
+                {
+                    "name": "envoy.retry_host_predicates.previous_hosts",
+                    "typed_config": {
+                        "@type": "type.googleapis.com/envoy.extensions.retry.host"
+                        ".previous_hosts.v3.PreviousHostsPredicate"
+                    },
+                }
+            ],
+            "host_selection_retry_max_attempts": 8,
+        }
+        if retry.per_try_timeout_ms:
+            policy["per_try_timeout"] = f"{retry.per_try_timeout_ms / 1000:.3f}s"
+        route["retry_policy"] = policy
+    entry: dict[str, Any] = {"match": {"prefix": "/"}, "route": route}
+    if not ext_proc:
+        per_route = "envoy.extensions.filters.http.ext_proc.v3.ExtProcPerRoute"
+        entry["typed_per_filter_config"] = {
+            "envoy.filters.http.ext_proc": {
+                "@type": f"type.googleapis.com/{per_route}",
+                "disabled": True,
+            }
+        }
+    return entry
+
+
+def render_bootstrap(
+    params: BootstrapParams, config: RouterConfig, fleet: Fleet | None = None
+) -> str:
+    """The bootstrap YAML. ``fleet`` is required for a static fleet, ignored with xDS."""
+    ext_proc = _static_cluster(EXT_PROC_CLUSTER, params.ext_proc, http2=True)
+    ext_proc["circuit_breakers"] = circuit_breakers(config)
+    clusters = [ext_proc]
+    dynamic = ""
+    if params.xds is not None:
+        clusters.append(_static_cluster(XDS_CLUSTER, (params.xds,), http2=True))
+        dynamic = "dynamic_resources:\n" + json.dumps(
+            {
+                "ads_config": {
+                    "api_type": "GRPC",
+                    "transport_api_version": "V3",
+                    "grpc_services": [
+                        {
+                            "envoy_grpc": {
+                                "cluster_name": XDS_CLUSTER,
+                                # Reconnect to a restarted control plane within ~2 s
+                                # (Envoy's default backoff grows to 30 s).
+                                "retry_policy": {
+                                    "retry_back_off": {
+                                        "base_interval": "0.25s",
+                                        "max_interval": "2s",
+                                    }
+                                },
+                            }
+                        }
+                    ],
+                    "set_node_on_first_message_only": True,
+                },
+                "cds_config": {"ads": {}, "resource_api_version": "V3"},
+            },
+            indent=None,
+        ).join(["  ", "\n"])
+    else:
+        if fleet is None:
+            raise ValueError("a static bootstrap needs the fleet")
+        addresses = resolve_now(names_in(fleet))
+        clusters.append(
+            model_cluster(
+                config, fleet, eds=False, lb_policy=params.lb_policy, addresses=addresses
+            )
+        )
+    template = Template(template_path().read_text())
+    return template.substitute(
+        node_id=params.node_id,
+        admin_address=params.admin_address,
+        admin_port=params.admin_port,
+        listen_address=params.listen_address,
+        listen_port=params.listen_port,
+        body_buffer_bytes=params.body_buffer_bytes,
+        max_body_bytes=params.max_body_bytes,
+        max_body_bytes_plus_one=params.max_body_bytes + 1,
+        ext_proc_timeout=f"{params.ext_proc_timeout_ms / 1000:.3f}s",
+        max_downstream_connections=params.max_downstream_connections
+        or default_max_downstream_connections(),
+        route_json=json.dumps(model_route(config, ext_proc=bool(params.ext_proc))),
+        static_clusters_json=json.dumps(clusters),
+        dynamic_resources=dynamic,
+    )

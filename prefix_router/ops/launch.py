@@ -1,0 +1,183 @@
+"""Start one component as a child process and wait until it serves.
+
+``prefix-router up`` and the end-to-end tests start components the same way,
+through these functions, so what the tests run is what users run.
+"""
+
+from __future__ import annotations
+
+import json
+import time
+import urllib.error
+import urllib.request
+from collections.abc import Sequence
+from pathlib import Path
+
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.errors import StartupError
+from prefix_router.core.fleet import Fleet
+from prefix_router.envoy.bootstrap import BootstrapParams, render_bootstrap
+from prefix_router.ops.procs import (
+    ManagedProcess,
+    cli_command,
+    envoy_binary,
+    python_module_command,
+    wait_until_listening,
+)
+
+
+def start_envoy(
+    params: BootstrapParams,
+    config: RouterConfig,
+    log_dir: Path,
+    *,
+    fleet: Fleet | None = None,
+    concurrency: int = 2,
+    name: str = "envoy",
+) -> ManagedProcess:
+    """Render the bootstrap into ``log_dir`` and start Envoy; ready when its admin says LIVE."""
+    bootstrap = log_dir / f"{name}.yaml"
+    log_dir.mkdir(parents=True, exist_ok=True)
+    bootstrap.write_text(render_bootstrap(params, config, fleet))
+    proc = ManagedProcess(
+        name,
+        [
+            envoy_binary(),
+            "-c",
+            str(bootstrap),
+            "--concurrency",
+            str(concurrency),
+            "--log-level",
+            "warning",
+            "--base-id-path",
+            str(log_dir / f"{name}.base-id"),
+            "--use-dynamic-base-id",
+            "--drain-time-s",
+            "1",
+            "--parent-shutdown-time-s",
+            "2",
+        ],
+        log_dir / f"{name}.log",
+    ).start()
+    try:
+        wait_until_listening(proc, params.admin_port)
+        wait_envoy_live(proc, params.admin_port)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
+def wait_envoy_live(proc: ManagedProcess, admin_port: int, timeout: float = 20.0) -> None:
+    deadline = time.monotonic() + timeout
+    while time.monotonic() < deadline:
+        try:
+            with urllib.request.urlopen(
+                f"http://127.0.0.1:{admin_port}/server_info", timeout=1
+            ) as r:
+                if json.load(r).get("state") == "LIVE":
+                    return
+        except OSError:
+            pass
+        if not proc.alive():
+            raise StartupError(f"envoy exited during start-up:\n{proc.tail()}")
+        time.sleep(0.05)
+    raise StartupError(f"envoy not LIVE after {timeout}s:\n{proc.tail()}")
+
+
+def start_ext_proc(
+    port: int,
+    log_dir: Path,
+    *,
+    args: Sequence[str] = (),
+    name: str | None = None,
+    env: dict[str, str] | None = None,
+) -> ManagedProcess:
+    """``prefix-router ext-proc --port PORT ARGS...``; ready when its port accepts."""
+    name = name or f"ext_proc-{port}"
+    proc = ManagedProcess(
+        name,
+        cli_command("ext-proc", "--port", str(port), *args),
+        log_dir / f"{name}.log",
+        env=env,
+    ).start()
+    try:
+        wait_until_listening(proc, port)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
+def start_module(
+    name: str,
+    module: str,
+    args: Sequence[str],
+    log_dir: Path,
+    *,
+    ready_ports: Sequence[int],
+    env: dict[str, str] | None = None,
+    timeout: float = 30.0,
+) -> ManagedProcess:
+    """``python -m MODULE ARGS...``; ready when every port in ``ready_ports`` accepts."""
+    proc = ManagedProcess(
+        name, python_module_command(module, *args), log_dir / f"{name}.log", env=env
+    ).start()
+    try:
+        for port in ready_ports:
+            wait_until_listening(proc, port, timeout=timeout)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
+def start_redis_server(
+    binary: str, port: int, log_dir: Path, *, host: str = "127.0.0.1", name: str = "redis"
+) -> ManagedProcess:
+    """A throw-away ``redis-server`` (nothing saved to disk); ready when its port accepts."""
+    proc = ManagedProcess(
+        name,
+        [binary, "--port", str(port), "--bind", host, "--save", "", "--appendonly", "no"],
+        log_dir / f"{name}.log",
+    ).start()
+    try:
+        wait_until_listening(proc, port, host=host)
+    except BaseException:
+        proc.stop()
+        raise
+    return proc
+
+
+def wait_routable(
+    base_url: str, model: str, procs: Sequence[ManagedProcess], timeout_s: float = 60.0
+) -> None:
+    """Ready when a chat completion through ``base_url`` answers 200."""
+    body = json.dumps(
+        {
+            "model": model,
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": "prefix-router readiness check"}],
+        }
+    ).encode()
+    deadline = time.monotonic() + timeout_s
+    last = "no answer"
+    while time.monotonic() < deadline:
+        for proc in procs:
+            if not proc.alive():
+                raise StartupError(f"{proc.name} exited during start-up:\n{proc.tail()}")
+        request = urllib.request.Request(
+            f"{base_url}/v1/chat/completions",
+            data=body,
+            headers={"content-type": "application/json"},
+        )
+        try:
+            with urllib.request.urlopen(request, timeout=10) as r:
+                if r.status == 200:
+                    return
+        except urllib.error.HTTPError as exc:
+            last = f"HTTP {exc.code}"
+        except OSError as exc:
+            last = str(exc)
+        time.sleep(0.2)
+    raise StartupError(f"nothing routable through {base_url} in {timeout_s:.0f}s ({last})")

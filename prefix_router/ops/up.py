@@ -1,0 +1,489 @@
+"""``prefix-router up``: the whole router on one machine, with one command.
+
+Starts, in order, and stops in reverse order on Ctrl-C or SIGTERM:
+
+1. Redis: ``--redis-url``/``REDIS_URL`` if given; else a ``redis-server`` from
+   PATH on a free port; else none (a static fleet, counts kept per process,
+   with a warning).
+2. The simulated vLLM instances (unless real backends are given).
+3. The control plane (xDS + admin API), seeded with the fleet and config.
+4. N ext_proc workers, following the control plane's state in Redis.
+5. Envoy, from ``envoy/bootstrap.yaml``, fed by the control plane over ADS.
+
+It is ready only when a real chat completion through Envoy succeeds; then it
+prints where to send requests. Settings come from flags, then
+``PREFIX_ROUTER_*`` environment variables, then an optional YAML file
+(``--settings``), then defaults, and are validated before anything starts.
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import fcntl
+import json
+import os
+import secrets
+import shutil
+import signal
+import sys
+import threading
+import urllib.error
+import urllib.request
+from collections.abc import Iterator, Sequence
+from pathlib import Path
+from typing import Any
+
+import yaml
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+
+from prefix_router.core.config import RouterConfig, describe_validation_error, parse_config
+from prefix_router.core.errors import ConfigError, StartupError
+from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.envoy.bootstrap import BootstrapParams
+from prefix_router.ops.launch import (
+    start_envoy,
+    start_ext_proc,
+    start_module,
+    start_redis_server,
+    wait_routable,
+)
+from prefix_router.ops.procs import (
+    ManagedProcess,
+    cli_command,
+    free_port,
+    port_answers,
+    port_is_free,
+    wait_until_listening,
+)
+
+ENV_PREFIX = "PREFIX_ROUTER_"
+
+
+class UpSettings(BaseModel):
+    """Settings of ``prefix-router up``; each is a flag, an env var and a YAML key."""
+
+    model_config = ConfigDict(frozen=True, extra="forbid")
+
+    host: str = Field("127.0.0.1", description="address every listener binds")
+    port: int = Field(8080, ge=1, le=65535, description="OpenAI-compatible data plane (Envoy)")
+    admin_port: int = Field(8081, ge=1, le=65535, description="admin REST API")
+    envoy_admin_port: int = Field(9901, ge=1, le=65535, description="Envoy admin and stats")
+    xds_port: int = Field(18000, ge=1, le=65535, description="control plane xDS (gRPC)")
+    ext_procs: int = Field(2, ge=1, le=32, description="ext_proc worker processes")
+    envoy_concurrency: int = Field(2, ge=1, le=64, description="Envoy worker threads")
+    instances: int = Field(4, ge=1, le=64, description="simulated vLLM instances")
+    sim_profile: str = Field("llama-3.1-70b-8xh100", description="simulator profile")
+    sim_time_scale: float = Field(1.0, gt=0, description="simulator speed-up")
+    backend: list[str] = Field(default_factory=list, description="real backend URLs")
+    fleet: str | None = Field(None, description="fleet YAML (instances and routing)")
+    config: str | None = Field(None, description="routing config YAML")
+    redis_url: str | None = Field(None, description="Redis to share state and counts")
+    namespace: str = Field("prefix-router-local:", description="Redis key prefix; cleared at start")
+    admin_token: str | None = Field(None, description="admin API bearer token")
+    run_dir: str = Field("run", description="logs, rendered configs, the lock")
+
+    @model_validator(mode="after")
+    def _distinct_ports(self) -> UpSettings:
+        ports = [self.port, self.admin_port, self.envoy_admin_port, self.xds_port]
+        if len(set(ports)) != len(ports):
+            raise ValueError(f"port, admin_port, envoy_admin_port, xds_port must differ: {ports}")
+        return self
+
+
+def _parser() -> argparse.ArgumentParser:
+    p = argparse.ArgumentParser(
+        prog="prefix-router up",
+        description="Run the whole router locally: Redis, simulated vLLM, control plane, "
+        "ext_proc and Envoy. Ctrl-C stops everything.",
+    )
+    p.add_argument("--settings", help="YAML file of settings (lowest precedence but defaults)")
+    for name, field in UpSettings.model_fields.items():
+        flag = "--" + name.replace("_", "-")
+        env = ENV_PREFIX + name.upper()
+        help_ = f"{field.description} (env {env})"
+        if name == "backend":
+            p.add_argument(flag, action="append", help=help_ + "; repeatable")
+        else:
+            p.add_argument(flag, help=help_)
+    for name, (_, help_) in ROUTING_SHORTCUTS.items():
+        p.add_argument(
+            "--" + name.replace("_", "-"), help=f"{help_} (env {ENV_PREFIX}{name.upper()})"
+        )
+    return p
+
+
+ROUTING_SHORTCUTS: dict[str, tuple[tuple[str, ...], str]] = {
+    "prefix_length": (("prefix_length",), "PrefixLength: bytes of the prompt keyed on"),
+    "prefix_mode": (("prefix_mode",), "prefix key mode: openai or bytes"),
+    "tenant_header": (("tenant_header",), "header that scopes keys per tenant"),
+    "concurrency_threshold": (
+        ("concurrency_threshold",),
+        "ConcurrencyThreshold: in-flight requests per instance before spilling",
+    ),
+    "spill_policy": (("spill", "policy"), "bounded-load, relative-load or none"),
+}
+"""The routing settings that ``up`` also takes as flags and env vars (over the config file)."""
+
+
+def resolve_settings(
+    argv: Sequence[str], environ: dict[str, str] | None = None
+) -> tuple[UpSettings, RouterConfig]:
+    """Flags > env vars > settings file > defaults; validated, with one message per problem."""
+    environ = dict(os.environ if environ is None else environ)
+    args = vars(_parser().parse_args(list(argv)))
+    merged: dict[str, Any] = {}
+    settings_file = args.pop("settings") or environ.get(ENV_PREFIX + "SETTINGS")
+    if settings_file:
+        merged.update(_read_yaml(settings_file))
+    for name in UpSettings.model_fields:
+        env_value = environ.get(ENV_PREFIX + name.upper())
+        if name == "redis_url" and env_value is None:
+            env_value = environ.get("REDIS_URL")
+        if env_value is not None:
+            merged[name] = env_value.split(",") if name == "backend" else env_value
+        if args.get(name) is not None:
+            merged[name] = args[name]
+    try:
+        settings = UpSettings.model_validate(merged)
+    except ValidationError as exc:
+        raise ConfigError(describe_validation_error(exc)) from None
+    routing: dict[str, Any] = {}
+    if settings.fleet:
+        routing.update(_read_yaml(settings.fleet).get("routing") or {})
+    if settings.config:
+        config_data = _read_yaml(settings.config)
+        routing.update(config_data.get("routing", config_data))
+    for name, (path, _) in ROUTING_SHORTCUTS.items():
+        value = args.get(name) or environ.get(ENV_PREFIX + name.upper())
+        if value is not None:
+            target = routing
+            for part in path[:-1]:
+                target = target.setdefault(part, {})
+            target[path[-1]] = value
+    return settings, parse_config(routing)
+
+
+def _read_yaml(path: str) -> dict[str, Any]:
+    try:
+        data = yaml.safe_load(Path(path).read_text()) or {}
+    except (OSError, yaml.YAMLError) as exc:
+        raise ConfigError(f"cannot read {path}: {exc}") from None
+    if not isinstance(data, dict):
+        raise ConfigError(f"{path}: expected a mapping at the top level")
+    return data
+
+
+@contextlib.contextmanager
+def run_lock(run_dir: Path) -> Iterator[None]:
+    """One ``up`` per run folder: a second one fails at once with the first one's PID."""
+    run_dir.mkdir(parents=True, exist_ok=True)
+    path = run_dir / "up.lock"
+    handle = open(path, "a+")  # noqa: SIM115 - held for the lifetime of the stack
+    try:
+        fcntl.flock(handle, fcntl.LOCK_EX | fcntl.LOCK_NB)
+    except OSError:
+        handle.seek(0)
+        owner = handle.read().strip() or "?"
+        handle.close()
+        raise StartupError(f"already running (pid {owner}, lock {path}); stop it first") from None
+    handle.seek(0)
+    handle.truncate()
+    handle.write(str(os.getpid()))
+    handle.flush()
+    try:
+        yield
+    finally:
+        handle.close()
+        with contextlib.suppress(OSError):
+            path.unlink()
+
+
+class Stack:
+    """The processes of one ``up``, started in order and stopped in reverse order."""
+
+    def __init__(self, settings: UpSettings, config: RouterConfig) -> None:
+        self.settings = settings
+        self.config = config
+        self.run_dir = Path(settings.run_dir).resolve()
+        self.log_dir = self.run_dir / "logs"
+        self.procs: list[ManagedProcess] = []
+        self.redis_url: str | None = settings.redis_url
+        self.token = settings.admin_token or secrets.token_urlsafe(24)
+        self.fleet: Fleet | None = None
+        self._cleared = False
+        self.ext_proc_metrics: list[str] = []
+
+    # -- lifecycle -----------------------------------------------------------------------
+
+    def check_ports(self) -> None:
+        s = self.settings
+        for name, port in (
+            ("--port", s.port),
+            ("--admin-port", s.admin_port),
+            ("--envoy-admin-port", s.envoy_admin_port),
+            ("--xds-port", s.xds_port),
+        ):
+            if not port_is_free(port, s.host):
+                raise StartupError(f"port {port} ({name}) is taken: free it or choose another")
+
+    def start(self) -> None:
+        self.check_ports()
+        self.log_dir.mkdir(parents=True, exist_ok=True)
+        self._start_redis()
+        self.fleet = self._start_backends()
+        if self.redis_url is None:
+            self._start_static()
+        else:
+            self._start_dynamic()
+        self.wait_ready()
+
+    def stop(self) -> None:
+        for proc in reversed(self.procs):
+            proc.stop(grace=5.0)
+        self.procs.clear()
+        if self.settings.redis_url is not None and self._cleared:
+            with contextlib.suppress(StartupError):
+                self._clear_namespace()  # an external Redis keeps nothing of a local stack
+
+    def _add(self, proc: ManagedProcess) -> ManagedProcess:
+        self.procs.append(proc)
+        return proc
+
+    # -- components ----------------------------------------------------------------------
+
+    def _start_redis(self) -> None:
+        if self.redis_url is not None:
+            return
+        binary = shutil.which("redis-server")
+        if binary is None:
+            print(
+                "warning: no REDIS_URL and no redis-server on PATH: running a static fleet "
+                "with one ext_proc; in-flight counts are not shared and the admin API "
+                "cannot change the fleet",
+                file=sys.stderr,
+            )
+            return
+        port = free_port(self.settings.host)
+        self._add(start_redis_server(binary, port, self.log_dir, host=self.settings.host))
+        self.redis_url = f"redis://{self.settings.host}:{port}/0"
+
+    def _start_backends(self) -> Fleet:
+        s = self.settings
+        if s.backend:
+            return Fleet.of([Instance.from_url(url) for url in s.backend])
+        if s.fleet:
+            instances = _read_yaml(s.fleet).get("instances") or []
+            return Fleet.of([Instance.from_json_dict(i) for i in instances])
+        ports = [free_port(s.host) for _ in range(s.instances)]
+        args = [
+            "--ports",
+            ",".join(map(str, ports)),
+            "--host",
+            s.host,
+            "--profile",
+            s.sim_profile,
+            "--time-scale",
+            str(s.sim_time_scale),
+        ]
+        self._add(start_module("vllm-sim", "vllm_sim", args, self.log_dir, ready_ports=ports))
+        return Fleet.of([Instance(s.host, p) for p in ports])
+
+    def _write_fleet_file(self) -> Path:
+        assert self.fleet is not None
+        path = self.run_dir / "fleet.yaml"
+        path.write_text(
+            yaml.safe_dump(
+                {
+                    "instances": [
+                        {k: v for k, v in i.to_json_dict().items() if k in _FLEET_FILE_KEYS}
+                        for i in self.fleet.instances
+                    ],
+                    "routing": self.config.to_json_dict(),
+                },
+                sort_keys=False,
+            )
+        )
+        return path
+
+    def _clear_namespace(self) -> None:
+        """A local stack starts from its fleet file, not from a previous run's state."""
+        import redis
+
+        assert self.redis_url is not None
+        client = redis.Redis.from_url(self.redis_url, socket_timeout=5)
+        try:
+            keys = list(client.scan_iter(match=f"{self.settings.namespace}*"))
+            if keys:
+                client.delete(*keys)
+            self._cleared = True
+        except redis.RedisError as exc:
+            raise StartupError(f"Redis at {self.redis_url} does not answer: {exc}") from None
+        finally:
+            client.close()
+
+    def _start_dynamic(self) -> None:
+        s = self.settings
+        assert self.redis_url is not None
+        self._clear_namespace()
+        fleet_file = self._write_fleet_file()
+        env = {"PREFIX_ROUTER_ADMIN_TOKEN": self.token}
+        control_plane = ManagedProcess(
+            "control-plane",
+            cli_command(
+                "control-plane",
+                "--xds-host",
+                s.host,
+                "--xds-port",
+                str(s.xds_port),
+                "--admin-host",
+                s.host,
+                "--admin-port",
+                str(s.admin_port),
+                "--redis-url",
+                self.redis_url,
+                "--namespace",
+                s.namespace,
+                "--fleet",
+                str(fleet_file),
+            ),
+            self.log_dir / "control-plane.log",
+            env=env,
+        ).start()
+        self._add(control_plane)
+        wait_until_listening(control_plane, s.admin_port, host=s.host)
+        wait_until_listening(control_plane, s.xds_port, host=s.host)
+        ext_proc_ports = [free_port(s.host) for _ in range(s.ext_procs)]
+        for i, port in enumerate(ext_proc_ports):
+            metrics_port = free_port(s.host)
+            self.ext_proc_metrics.append(f"http://{s.host}:{metrics_port}/metrics")
+            self._add(
+                start_ext_proc(
+                    port,
+                    self.log_dir,
+                    name=f"ext_proc-{i}",
+                    args=[
+                        "--host",
+                        s.host,
+                        "--redis-url",
+                        self.redis_url,
+                        "--namespace",
+                        s.namespace,
+                        "--metrics-port",
+                        str(metrics_port),
+                    ],
+                )
+            )
+        self._start_envoy(ext_proc_ports, xds=(s.host, s.xds_port))
+
+    def _start_static(self) -> None:
+        s = self.settings
+        assert self.fleet is not None
+        port = free_port(s.host)
+        config_file = self.run_dir / "routing.json"
+        config_file.write_text(json.dumps(self.config.to_json_dict()))
+        args = ["--host", s.host, "--config", str(config_file)]
+        for inst in self.fleet.instances:
+            args += ["--backend", f"{inst.address}:{inst.port}:{inst.weight}"]
+        self._add(start_ext_proc(port, self.log_dir, name="ext_proc-0", args=args))
+        self._start_envoy([port], xds=None)
+
+    def _start_envoy(self, ext_proc_ports: list[int], xds: tuple[str, int] | None) -> None:
+        s = self.settings
+        params = BootstrapParams(
+            listen_address=s.host,
+            listen_port=s.port,
+            admin_address=s.host,
+            admin_port=s.envoy_admin_port,
+            ext_proc=tuple((s.host, p) for p in ext_proc_ports),
+            xds=xds,
+        )
+        self._add(
+            start_envoy(
+                params,
+                self.config,
+                self.log_dir,
+                fleet=self.fleet,
+                concurrency=s.envoy_concurrency,
+            )
+        )
+
+    # -- readiness -----------------------------------------------------------------------
+
+    def wait_ready(self, timeout: float = 60.0) -> None:
+        """Ready when a real chat completion through Envoy answers 200."""
+        s = self.settings
+        wait_routable(f"http://{s.host}:{s.port}", self._model_name(), self.procs, timeout)
+
+    def _model_name(self) -> str:
+        s = self.settings
+        url = f"http://{self.fleet.instances[0].id}/v1/models" if self.fleet else ""
+        with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
+            with urllib.request.urlopen(url, timeout=5) as r:
+                return str(json.load(r)["data"][0]["id"])
+        return s.sim_profile
+
+    def banner(self) -> str:
+        s = self.settings
+        base = f"http://{s.host}:{s.port}"
+        lines = [
+            "prefix-router is up.",
+            f"  OpenAI base URL   {base}/v1",
+            f"  try               curl {base}/v1/chat/completions -H 'content-type: "
+            f'application/json\' -d \'{{"model": "{self._model_name()}", "messages": '
+            f'[{{"role": "user", "content": "Hello"}}]}}\'',
+        ]
+        if self.redis_url is not None:
+            lines += [
+                f"  admin API         http://{s.host}:{s.admin_port}  (docs at /docs)",
+                f"  admin token       {self.token}",
+                f"  status page       http://{s.host}:{s.admin_port}/ui",
+                f"  metrics           http://{s.host}:{s.admin_port}/metrics (control plane, "
+                "fleet view)",
+                *(f"                    {url} (ext_proc)" for url in self.ext_proc_metrics),
+            ]
+        members = ", ".join(i.id for i in self.fleet.instances) if self.fleet else "-"
+        lines += [
+            f"  Envoy admin       http://{s.host}:{s.envoy_admin_port}  (stats at /stats)",
+            f"  instances         {members}",
+            f"  logs              {self.log_dir}",
+            "Ctrl-C stops everything.",
+        ]
+        return "\n".join(lines)
+
+
+_FLEET_FILE_KEYS = ("address", "port", "weight", "models", "hash_key")
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    settings, config = resolve_settings(list(argv or []))
+    stop = threading.Event()
+
+    def on_signal(signum: int, _frame: object) -> None:
+        stop.set()
+
+    signal.signal(signal.SIGTERM, on_signal)
+    signal.signal(signal.SIGINT, on_signal)
+    with run_lock(Path(settings.run_dir)):
+        stack = Stack(settings, config)
+        try:
+            stack.start()
+            print(stack.banner(), flush=True)
+            while not stop.is_set():
+                for proc in stack.procs:
+                    if not proc.alive():
+                        print(
+                            f"{proc.name} exited; stopping. Last log lines:\n{proc.tail()}",
+                            file=sys.stderr,
+                        )
+                        stop.set()
+                        break
+                stop.wait(0.5)
+        finally:
+            if stack.procs:
+                print("stopping...", file=sys.stderr, flush=True)
+            stack.stop()
+    return 0
+
+
+__all__ = ["Stack", "UpSettings", "main", "port_answers", "resolve_settings"]

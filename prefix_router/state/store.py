@@ -1,0 +1,389 @@
+"""The shared state in Redis: fleet and config, written by the control plane, read by all.
+
+Why Redis: several control-plane replicas and every ext_proc replica must see
+one fleet and one config, and a restarted control plane must come back with
+them. Redis is already the load store, so it is the one shared place.
+
+Schema (every key under a namespace prefix, default ``prefix-router:``)::
+
+    <ns>fleet      string  JSON {"version": n, "instances": [Instance...],
+                                 "removing": [instance id...]}
+    <ns>config     string  JSON {"version": n, "config": RouterConfig}
+    <ns>changed    pub/sub JSON {"fleet_version": n, "config_version": m}, after every change
+    <ns>audit      list    JSON audit entries, newest first, capped at AUDIT_KEEP
+    <ns>inflight   hash    instance id -> fleet-wide in-flight count (the load store's)
+
+``removing`` lists draining instances to delete once drained (a drained but
+not removed instance stays in the fleet). Versions start at 1 and grow by one
+per change; an absent key reads as version 0 with the defaults.
+
+Writes are optimistic transactions: WATCH the document, compute the new value
+with a pure function of the old one, then MULTI: SET, LPUSH the audit entry,
+PUBLISH, EXEC. A concurrent writer makes EXEC fail and the change is recomputed
+on the new value, so replicas never lose each other's changes and a change and
+its audit entry land together or not at all.
+
+Readers (:func:`watch_state`) subscribe to ``<ns>changed`` and also re-read
+every ``interval`` seconds, so a missed message (a reconnect, a slow
+subscriber) heals within one interval. Every Redis call has a socket timeout.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import logging
+import time
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass, field
+from typing import Any, TypeVar
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError, WatchError
+
+from prefix_router.core.config import RouterConfig, parse_config
+from prefix_router.core.errors import ConfigError, FleetError, PrefixRouterError
+from prefix_router.core.fleet import Fleet
+
+log = logging.getLogger("prefix_router.state.store")
+
+DEFAULT_NAMESPACE = "prefix-router:"
+AUDIT_KEEP = 1000
+REDIS_TIMEOUT_S = 2.0
+WATCH_INTERVAL_S = 1.0
+_MAX_RETRIES = 50
+
+T = TypeVar("T")
+
+
+class StateError(PrefixRouterError):
+    """Redis is unreachable, or holds a document this version cannot read."""
+
+
+@dataclass(frozen=True, slots=True)
+class Keys:
+    """Every Redis key of one namespace."""
+
+    namespace: str
+
+    @property
+    def fleet(self) -> str:
+        return f"{self.namespace}fleet"
+
+    @property
+    def config(self) -> str:
+        return f"{self.namespace}config"
+
+    @property
+    def changed(self) -> str:
+        return f"{self.namespace}changed"
+
+    @property
+    def audit(self) -> str:
+        return f"{self.namespace}audit"
+
+    @property
+    def inflight(self) -> str:
+        return f"{self.namespace}inflight"
+
+
+@dataclass(frozen=True, slots=True)
+class FleetRecord:
+    """The fleet document: the fleet and the instances to remove once drained."""
+
+    fleet: Fleet
+    removing: frozenset[str] = field(default=frozenset())
+
+    def to_json(self) -> str:
+        doc = self.fleet.to_json_dict()
+        doc["removing"] = sorted(self.removing)
+        return json.dumps(doc, separators=(",", ":"))
+
+    @classmethod
+    def from_json(cls, raw: bytes | str | None) -> FleetRecord:
+        if raw is None:
+            return cls(Fleet.of([], version=0))
+        try:
+            doc = json.loads(raw)
+            return cls(Fleet.from_json_dict(doc), frozenset(doc.get("removing") or ()))
+        except (ValueError, KeyError, TypeError, FleetError) as exc:
+            raise StateError(f"unreadable fleet document in Redis: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class ConfigRecord:
+    """The config document: the config and its version."""
+
+    config: RouterConfig
+    version: int
+
+    def to_json(self) -> str:
+        return json.dumps(
+            {"version": self.version, "config": self.config.to_json_dict()},
+            separators=(",", ":"),
+        )
+
+    @classmethod
+    def from_json(cls, raw: bytes | str | None) -> ConfigRecord:
+        if raw is None:
+            return cls(RouterConfig(), 0)
+        try:
+            doc = json.loads(raw)
+            return cls(parse_config(doc["config"]), int(doc["version"]))
+        except (ValueError, KeyError, TypeError, ConfigError) as exc:
+            raise StateError(f"unreadable config document in Redis: {exc}") from None
+
+
+@dataclass(frozen=True, slots=True)
+class State:
+    """One consistent read of both documents."""
+
+    fleet: FleetRecord
+    config: ConfigRecord
+
+    @property
+    def versions(self) -> tuple[int, int]:
+        return (self.fleet.fleet.version, self.config.version)
+
+
+AuditFn = Callable[[T, T], dict[str, Any]]
+"""(before, after) -> the audit entry to store with the change."""
+
+
+def connect(url: str, *, timeout: float = REDIS_TIMEOUT_S) -> aioredis.Redis:
+    """A client whose every wait on Redis is bounded by ``timeout`` seconds."""
+    return aioredis.Redis.from_url(
+        url,
+        socket_timeout=timeout,
+        socket_connect_timeout=timeout,
+        health_check_interval=10,
+    )
+
+
+class StateStore:
+    """Read and change the shared state of one namespace."""
+
+    def __init__(self, client: aioredis.Redis, namespace: str = DEFAULT_NAMESPACE) -> None:
+        self.redis = client
+        self.keys = Keys(namespace)
+
+    @classmethod
+    def from_url(cls, url: str, namespace: str = DEFAULT_NAMESPACE) -> StateStore:
+        return cls(connect(url), namespace)
+
+    async def close(self) -> None:
+        await self.redis.aclose()
+
+    async def read(self) -> State:
+        try:
+            raw_fleet, raw_config = await self.redis.mget([self.keys.fleet, self.keys.config])
+        except (RedisError, OSError) as exc:
+            raise StateError(f"cannot read state from Redis: {exc}") from None
+        return State(FleetRecord.from_json(raw_fleet), ConfigRecord.from_json(raw_config))
+
+    async def seed(self, fleet: Fleet | None, config: RouterConfig | None) -> State:
+        """Write the start-up fleet/config only where the namespace has none yet.
+
+        Redis is the source of truth: a restarted control plane keeps what the
+        admin API changed rather than going back to its start-up files.
+        """
+        if fleet is not None:
+            record = FleetRecord(Fleet.of(list(fleet.instances), version=1))
+            await self._set_if_absent(self.keys.fleet, record.to_json())
+        if config is not None:
+            await self._set_if_absent(self.keys.config, ConfigRecord(config, 1).to_json())
+        return await self.read()
+
+    async def _set_if_absent(self, key: str, value: str) -> None:
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                pipe.set(key, value, nx=True)
+                pipe.publish(self.keys.changed, "{}")
+                await pipe.execute()
+        except (RedisError, OSError) as exc:
+            raise StateError(f"cannot write state to Redis: {exc}") from None
+
+    async def update_fleet(
+        self,
+        change: Callable[[FleetRecord], FleetRecord],
+        *,
+        audit: AuditFn[FleetRecord] | None = None,
+    ) -> tuple[FleetRecord, FleetRecord]:
+        """Apply ``change`` atomically; returns (before, after). The version grows by one.
+
+        ``change`` may raise (nothing is written). When it returns an equal
+        record, nothing is written and the version stays.
+        """
+
+        def bump(before: FleetRecord) -> FleetRecord | None:
+            after = change(before)
+            if after == before:
+                return None
+            fleet = Fleet.of(list(after.fleet.instances), version=before.fleet.version + 1)
+            return FleetRecord(fleet, after.removing)
+
+        return await self._update(
+            self.keys.fleet, FleetRecord.from_json, bump, FleetRecord.to_json, audit
+        )
+
+    async def update_config(
+        self,
+        change: Callable[[RouterConfig], RouterConfig],
+        *,
+        audit: AuditFn[ConfigRecord] | None = None,
+    ) -> tuple[ConfigRecord, ConfigRecord]:
+        """Apply ``change`` atomically; returns (before, after). The version grows by one."""
+
+        def bump(before: ConfigRecord) -> ConfigRecord | None:
+            config = change(before.config)
+            if config == before.config:
+                return None
+            return ConfigRecord(config, before.version + 1)
+
+        return await self._update(
+            self.keys.config, ConfigRecord.from_json, bump, ConfigRecord.to_json, audit
+        )
+
+    async def _update(
+        self,
+        key: str,
+        load: Callable[[Any], T],
+        change: Callable[[T], T | None],
+        dump: Callable[[T], str],
+        audit: AuditFn[T] | None,
+    ) -> tuple[T, T]:
+        try:
+            for _ in range(_MAX_RETRIES):
+                async with self.redis.pipeline(transaction=True) as pipe:
+                    await pipe.watch(key)
+                    before = load(await pipe.get(key))
+                    after = change(before)
+                    if after is None:
+                        await pipe.unwatch()  # type: ignore[no-untyped-call]
+                        return before, before
+                    pipe.multi()  # type: ignore[no-untyped-call]
+                    pipe.set(key, dump(after))
+                    if audit is not None:
+                        entry = {"time": time.time(), **audit(before, after)}
+                        pipe.lpush(self.keys.audit, json.dumps(entry, default=str))
+                        pipe.ltrim(self.keys.audit, 0, AUDIT_KEEP - 1)
+                    pipe.publish(self.keys.changed, key)
+                    try:
+                        await pipe.execute()
+                    except WatchError:
+                        continue
+                    return before, after
+        except (RedisError, OSError) as exc:
+            raise StateError(f"cannot write state to Redis: {exc}") from None
+        raise StateError(f"gave up writing {key}: {_MAX_RETRIES} concurrent changes won")
+
+    async def audit_log(self, limit: int = 100) -> list[dict[str, Any]]:
+        """The newest ``limit`` audit entries, newest first."""
+        try:
+            raw = await self.redis.lrange(self.keys.audit, 0, max(0, limit - 1))
+        except (RedisError, OSError) as exc:
+            raise StateError(f"cannot read the audit log: {exc}") from None
+        return [json.loads(r) for r in raw]
+
+    async def in_flight(self) -> dict[str, int]:
+        """Fleet-wide in-flight count per instance, from the load store's hash."""
+        try:
+            raw = await self.redis.hgetall(self.keys.inflight)
+        except (RedisError, OSError) as exc:
+            raise StateError(f"cannot read in-flight counts: {exc}") from None
+        return {_text(k): int(v) for k, v in raw.items()}
+
+    async def delete_namespace(self) -> int:
+        """Delete every key of this namespace (tests, ``--reset``). Returns how many."""
+        deleted = 0
+        async for key in self.redis.scan_iter(match=_glob_escape(self.keys.namespace) + "*"):
+            deleted += int(await self.redis.delete(key))
+        return deleted
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+def _glob_escape(text: str) -> str:
+    return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
+
+
+OnChange = Callable[[Fleet, RouterConfig, int], None | Awaitable[None]]
+
+
+async def watch_state(
+    redis_url: str,
+    namespace: str,
+    on_change: OnChange,
+    *,
+    interval: float = WATCH_INTERVAL_S,
+    stop: asyncio.Event | None = None,
+) -> None:
+    """Call ``on_change(fleet, config, config_version)`` on start and on every change.
+
+    Subscribes to ``<ns>changed`` and re-reads at least every ``interval``
+    seconds; calls ``on_change`` only when a version moved (again at the next
+    wake-up if it raised). Redis errors are logged once per outage and retried;
+    this returns only when ``stop`` is set.
+    """
+    stop = stop or asyncio.Event()
+    store = StateStore.from_url(redis_url, namespace)
+    last: tuple[int, int] | None = None
+    failing = False
+    try:
+        while not stop.is_set():
+            pubsub = store.redis.pubsub()
+            try:
+                await pubsub.subscribe(store.keys.changed)
+                while not stop.is_set():
+                    state = await store.read()
+                    if failing:
+                        failing = False
+                        log.warning("shared state readable again")
+                    if state.versions != last:
+                        try:
+                            result = on_change(
+                                state.fleet.fleet, state.config.config, state.config.version
+                            )
+                            if result is not None:
+                                await result
+                            last = state.versions
+                        except Exception:  # the follower must outlive a bad callback
+                            log.exception("applying state %s failed; retrying", state.versions)
+                    await _next_message(pubsub, interval, stop)
+            except (StateError, RedisError, OSError) as exc:
+                if not failing:
+                    failing = True
+                    log.warning("cannot follow shared state (%s); retrying", exc)
+                await _sleep_or_stop(stop, min(interval, 0.5))
+            finally:
+                try:
+                    await asyncio.wait_for(pubsub.aclose(), REDIS_TIMEOUT_S)  # type: ignore[no-untyped-call]
+                except (RedisError, OSError, TimeoutError):
+                    pass
+    finally:
+        await store.close()
+
+
+async def _next_message(pubsub: Any, interval: float, stop: asyncio.Event) -> None:
+    """Wait for a change message, ``interval`` or ``stop``; swallow queued duplicates."""
+    deadline = time.monotonic() + interval
+    while not stop.is_set():
+        remaining = deadline - time.monotonic()
+        if remaining <= 0:
+            return
+        message = await pubsub.get_message(
+            ignore_subscribe_messages=True, timeout=min(remaining, 0.25)
+        )
+        if message is not None:
+            while await pubsub.get_message(ignore_subscribe_messages=True, timeout=0):
+                pass
+            return
+
+
+async def _sleep_or_stop(stop: asyncio.Event, seconds: float) -> None:
+    try:
+        await asyncio.wait_for(stop.wait(), seconds)
+    except TimeoutError:
+        pass
