@@ -56,7 +56,10 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=int, default=4)
     p.add_argument("--profile", default="llama-3.1-70b-8xh100", help="simulator profile")
     p.add_argument("--num-gpu-blocks", type=int, help="KV blocks per instance (profile's)")
-    p.add_argument("--concurrency-threshold", type=int, default=16)
+    p.add_argument("--concurrency-threshold", type=int,
+                   help="router ConcurrencyThreshold (default: the router's default)")
+    p.add_argument("--prefill-tokens-per-s", type=float,
+                   help="simulated instances' prefill rate (profile's)")
     p.add_argument("--entries-per-weight", type=int, help="ring entries per instance weight")
 
 
@@ -117,7 +120,9 @@ def _workloads(args: argparse.Namespace) -> list[tuple[Workload, str]]:
 
 
 def _router(args: argparse.Namespace) -> RouterConfig:
-    changes: dict[str, object] = {"concurrency_threshold": args.concurrency_threshold}
+    changes: dict[str, object] = {}
+    if args.concurrency_threshold is not None:
+        changes["concurrency_threshold"] = args.concurrency_threshold
     if args.entries_per_weight:
         changes["ring"] = {"entries_per_weight": args.entries_per_weight}
     return RouterConfig().patched(changes)
@@ -197,8 +202,12 @@ def _run(args: argparse.Namespace) -> int:
 
 
 def _des(args: argparse.Namespace) -> int:
-    engine = make_config(args.profile, **(
-        {"num_gpu_blocks": args.num_gpu_blocks} if args.num_gpu_blocks else {}))
+    overrides: dict[str, float] = {}
+    if args.num_gpu_blocks:
+        overrides["num_gpu_blocks"] = args.num_gpu_blocks
+    if args.prefill_tokens_per_s:
+        overrides["prefill_tokens_per_s"] = args.prefill_tokens_per_s
+    engine = make_config(args.profile, **overrides)
     for workload, params in _workloads(args):
         folder = _folder(args.out, workload)
         for policy in parse_policies(args.policies):

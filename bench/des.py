@@ -5,11 +5,12 @@ Nothing here re-implements routing or the instance model. Each request's body is
 
 * routed as the live stack routes it: ``round-robin`` / ``least-request`` as Envoy's
   load balancers do (least-request: the fewer in-flight of two random hosts); ``prefix``
-  and ``prefix-spill`` through ext_proc's code: :func:`prefix_router.core.key.extract_key`,
-  :meth:`prefix_router.core.table.RoutingTable.lookup` (the Envoy ring mirror), a
-  :class:`prefix_router.core.placement.PlacementMemory` on the virtual clock, and
-  :func:`prefix_router.core.spill.choose` over the in-flight counts that Redis would hold
-  (a request counts from its routing decision to its last token);
+  and ``prefix-spill`` through ext_proc's code: :func:`prefix_router.core.key.extract_key`
+  and the one decision function over an
+  :class:`~prefix_router.state.routing.memory.InProcessStore` on the virtual clock (the
+  prefix index, the prefill queues and the in-flight counts Redis would hold; a request
+  counts from its routing decision to its last token), with the instance models learned
+  from the engines' metrics each second as the control plane learns them;
 * parsed and turned into an engine sequence by the simulator's own code
   (:func:`vllm_sim.protocol.parse_generation`, :func:`vllm_sim.engine.build_sequence`);
 * served by the simulator's pure :class:`~vllm_sim.scheduler.Scheduler` (prefix cache,
@@ -35,6 +36,8 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
+import statistics
+from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
@@ -45,9 +48,9 @@ from bench.spec import PATHS, Arrival, Message, Workload, request_body
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.key import extract_key
-from prefix_router.core.placement import PlacementMemory
-from prefix_router.core.spill import choose
 from prefix_router.core.table import RoutingTable
+from prefix_router.core.work import InstanceModel, learned_prefill_rate
+from prefix_router.state.routing.memory import InProcessStore
 from vllm_sim.config import EngineConfig
 from vllm_sim.engine import build_sequence
 from vllm_sim.errors import RequestError
@@ -56,6 +59,11 @@ from vllm_sim.scheduler import Scheduler, StepPlan
 from vllm_sim.scheduler import Sequence as SimSequence
 from vllm_sim.stats import EngineStats
 from vllm_sim.tokenizer import detokenize_output
+
+SCRAPE_S = 1.0
+"""How often the control plane reads every instance's metrics."""
+LEARN_WINDOW_S = 60.0
+"""The window a prefill rate is learned over (the fleet view's window)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -101,7 +109,7 @@ class _Engine:
     """One simulated instance: the simulator's scheduler plus the event loop's bookkeeping."""
 
     __slots__ = ("instance", "scheduler", "plan", "busy_s", "in_flight", "peak", "requests",
-                 "born_s", "gone_s")
+                 "born_s", "gone_s", "readings")
 
     def __init__(self, instance: Instance, config: EngineConfig, born_s: float) -> None:
         self.instance = instance
@@ -113,6 +121,8 @@ class _Engine:
         self.requests = 0
         self.born_s = born_s
         self.gone_s: float | None = None
+        self.readings: deque[tuple[float, int, int, float]] = deque()
+        """Metrics read every second: (time, prompt tokens queried, hit, prefill seconds)."""
 
 
 @dataclass(slots=True)
@@ -164,7 +174,9 @@ class Simulation:
         self._serial = itertools.count()
         self._events_log: list[tuple[float, str]] = []
         self.now = 0.0
-        self._placements = PlacementMemory(clock=lambda: self.now)
+        self._store = InProcessStore(clock=lambda: self.now)
+        """The routing state ext_proc would keep (index, prefill queues), on the virtual clock."""
+        self._next_scrape = 0.0
 
     # -- fleet --------------------------------------------------------------------------
 
@@ -202,16 +214,40 @@ class Simulation:
             return b if b.in_flight < a.in_flight else a
         table = self._table
         assert table is not None
+        if self.now >= self._next_scrape:
+            self._learn(table)
         key = extract_key(body, settings=table.key_settings, path=path)
-        candidates, placement = table.lookup(key.value)
-        engines = self._engines
-        loads = [engines[table.ids[c]].in_flight for c in candidates]
-        total = sum(e.in_flight for e in active)
-        start = self._placements.start(placement, loads)
-        chosen = choose(
-            loads, table.spill, fleet_total=total, fleet_size=len(table.ids), start=start
+        return self._engines[self._store.route_now(key, table).instance_id]
+
+    def _learn(self, table: RoutingTable) -> None:
+        """What the control plane learns from the instances' metrics every second: each
+        one's KV cache size, and the fleet's median prefill rate over the last minute
+        (:func:`prefix_router.core.work.learned_prefill_rate`, as
+        :meth:`control_plane.fleet_view.FleetView.learned_models` computes it)."""
+        self._next_scrape = self.now + SCRAPE_S
+        rates = []
+        for engine in self._active:
+            stats = engine.scheduler.stats
+            readings = engine.readings
+            readings.append((self.now, stats.prefix_cache_queries, stats.prefix_cache_hits,
+                             stats.prefill_time.total))
+            while len(readings) > 1 and readings[1][0] <= self.now - LEARN_WINDOW_S:
+                readings.popleft()
+            _, q0, h0, p0 = readings[0]
+            rate = learned_prefill_rate(
+                (stats.prefix_cache_queries - q0) - (stats.prefix_cache_hits - h0),
+                stats.prefill_time.total - p0,
+            )
+            if rate:
+                rates.append(rate)
+        model = InstanceModel(
+            prefill_tokens_per_s=(
+                statistics.median(rates) if rates else table.default_model.prefill_tokens_per_s
+            ),
+            kv_cache_tokens=self.config.num_gpu_blocks * self.config.block_size,
         )
-        return engines[table.ids[candidates[chosen]]]
+        for engine in self._active:
+            self._store.learn(engine.instance.id, model)
 
     # -- events -------------------------------------------------------------------------
 
@@ -291,6 +327,7 @@ class Simulation:
         window[0] += seq.prompt_len
         window[1] += seq.cached_tokens or 0
         pending.engine.in_flight -= 1
+        self._store.release(pending.engine.instance.id)
         arrival, nxt = pending.arrival, pending.turn + 1
         if nxt < len(arrival.turns):
             answer = detokenize_output(seq.tokens[seq.prompt_len:seq.prompt_len + seq.num_output])

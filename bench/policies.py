@@ -1,26 +1,19 @@
 """The routing policies a benchmark compares, and what each one means for the stack.
 
-=====================  ===================  ========  ==========================================
-policy                 Envoy ``lb_policy``  ext_proc  spill (``RouterConfig.spill``)
-=====================  ===================  ========  ==========================================
-``round-robin``        ROUND_ROBIN          off       -
-``least-request``      LEAST_REQUEST        off       -
-``prefix``             RING_HASH            on        ``none``: always the prefix's home
-``prefix-spill``       RING_HASH            on        ``bounded-load`` at ConcurrencyThreshold
-``prefix-relative``    RING_HASH            on        ``relative-load`` (load_factor x mean)
-``prefix-spill-ring``  RING_HASH            on        ``bounded-load``; new prefixes start on
-                                                      the ring's pick (``placement: home``)
-=====================  ===================  ========  ==========================================
+=================  ===================  ========  ===============================================
+policy             Envoy ``lb_policy``  ext_proc  router config
+=================  ===================  ========  ===============================================
+``round-robin``    ROUND_ROBIN          off       -
+``least-request``  LEAST_REQUEST        off       -
+``prefix``         RING_HASH            on        defaults, but ``spill: none`` (pure affinity)
+``prefix-spill``   RING_HASH            on        the defaults: longest prefix, least work
+``prefix-fixed``   RING_HASH            on        the defaults with a fixed 1 KiB key
+                                                  (``prefix_match: fixed``, PrefixLength 1024)
+=================  ===================  ========  ===============================================
 
-Every ``prefix*`` policy but ``prefix-spill-ring`` places new prefixes as the base config
-says (by default ``least-loaded``). ``all`` means the first four; ``prefix-relative``
-(spill above load_factor x the fleet's mean in flight, a bound that follows the load) and
-``prefix-spill-ring`` (pure consistent hashing with spill, to show what placement adds) are
-asked for by name.
-
-The live driver runs each through the same Envoy, bootstrap and simulated instances
-(:mod:`bench.live`); the discrete-event simulation routes with the same
-rules in virtual time (:mod:`bench.des`).
+``all`` means the first four; ``prefix-fixed`` is asked for by name. The live driver runs
+each through the same Envoy, bootstrap and simulated instances (:mod:`bench.live`); the
+discrete-event simulation routes with the same code in virtual time (:mod:`bench.des`).
 """
 
 from __future__ import annotations
@@ -28,7 +21,7 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from prefix_router.core.config import PlacementPolicyName, RouterConfig, SpillPolicyName
+from prefix_router.core.config import PrefixMatch, RouterConfig, SpillPolicyName
 
 
 class Policy(StrEnum):
@@ -36,8 +29,7 @@ class Policy(StrEnum):
     LEAST_REQUEST = "least-request"
     PREFIX = "prefix"
     PREFIX_SPILL = "prefix-spill"
-    PREFIX_RELATIVE = "prefix-relative"
-    PREFIX_SPILL_RING = "prefix-spill-ring"
+    PREFIX_FIXED = "prefix-fixed"
 
     @property
     def envoy_lb_policy(self) -> str:
@@ -52,16 +44,13 @@ class Policy(StrEnum):
         return self.envoy_lb_policy == "RING_HASH"
 
     def router_config(self, base: RouterConfig) -> RouterConfig:
-        """``base`` with this policy's spill rule (and placement, for ``prefix-spill-ring``)."""
-        spill = {
-            Policy.PREFIX_SPILL: SpillPolicyName.BOUNDED_LOAD,
-            Policy.PREFIX_RELATIVE: SpillPolicyName.RELATIVE_LOAD,
-            Policy.PREFIX_SPILL_RING: SpillPolicyName.BOUNDED_LOAD,
-        }.get(self, SpillPolicyName.NONE)
-        changes: dict[str, Any] = {"spill": {"policy": spill.value}}
-        if self is Policy.PREFIX_SPILL_RING:
-            changes["placement"] = {"policy": PlacementPolicyName.HOME.value}
-        return base.patched(changes)
+        """``base`` with this policy's changes (see the module docstring)."""
+        changes: dict[str, Any] = {}
+        if self is Policy.PREFIX:
+            changes["spill"] = {"policy": SpillPolicyName.NONE.value}
+        elif self is Policy.PREFIX_FIXED:
+            changes = {"prefix_match": PrefixMatch.FIXED.value, "prefix_length": 1024}
+        return base.patched(changes) if changes else base
 
 
 ALL_POLICIES: tuple[Policy, ...] = (

@@ -32,6 +32,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import math
+import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -39,18 +41,20 @@ from dataclasses import asdict, dataclass, field
 from typing import Any, Generic, TypeVar
 
 import httpx
+from redis.exceptions import RedisError
 
 from control_plane.loads_view import LoadsReading, affinity, read_loads
 from control_plane.vllm_metrics import (
     MetricsFormatError,
     VllmDelta,
     VllmReading,
+    learned_rate,
     parse_vllm_metrics,
     reading_delta,
     sum_deltas,
 )
+from prefix_router.core.decision import DecisionRule, in_flight_bound
 from prefix_router.core.fleet import Instance
-from prefix_router.core.spill import SpillRule
 from prefix_router.core.table import RoutingTable
 from prefix_router.state.store import State, StateError, StateStore
 
@@ -296,6 +300,46 @@ class FleetView:
             timeout_s=self.redis_timeout_s,
         )
 
+    def learned_models(self) -> dict[str, str]:
+        """What the instances' metrics taught of them, as ``rate capacity`` strings (0 where
+        unknown) in the form the routing store reads (:mod:`prefix_router.state.routing`).
+
+        The capacity is each instance's own KV cache size. The prefill rate is the fleet's
+        median of what each instance showed over the window: an instance that mostly serves
+        cached prompts prefills a few tokens a step and would pass for a slow one, which
+        would push its cached traffic away. (Instances of one fleet are alike in speed;
+        a fleet that mixes GPUs would want a rate per instance.)
+        """
+        rates: list[float] = []
+        capacities: dict[str, float] = {}
+        for instance_id, window in self.windows.items():
+            newest = window.newest
+            if newest is None:
+                continue
+            rate = learned_rate(newest, window.oldest)
+            if rate:
+                rates.append(rate)
+            capacities[instance_id] = newest.kv_cache_tokens or 0.0
+        rate = statistics.median(rates) if rates else 0.0
+        return {
+            instance_id: f"{rate:.0f} {capacity:.0f}"
+            for instance_id, capacity in capacities.items()
+            if rate or capacity
+        }
+
+    async def publish_models(self) -> None:
+        """Write :meth:`learned_models` for every ext_proc replica (bounded; best effort:
+        the routers keep the last values, or their defaults)."""
+        models = self.learned_models()
+        if not models:
+            return
+        try:
+            async with asyncio.timeout(self.redis_timeout_s):
+                key = f"{self.store.keys.namespace}models"
+                await self.store.redis.hset(key, mapping=dict(models.items()))
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.debug("cannot publish the learned instance models: %r", exc)
+
     async def scrape(self, instance: Instance) -> Scrape:
         url = f"http://{instance.id}{self.metrics_path}"
         try:
@@ -334,6 +378,7 @@ class FleetView:
                 self.windows.setdefault(instance.id, Window(self.window_s)).add(
                     result.at, result.reading
                 )
+        await self.publish_models()
         if self.loads.available:
             home = self.loads.decisions.get("home", 0)
             self.decisions.add(started, (home, self.loads.decisions.get("spilled", 0)))
@@ -386,7 +431,7 @@ class FleetView:
         ]
         windows = [self.windows[i.id] for i in instances if i.id in self.windows]
         totals = fleet_stats(windows, rows, loads, self.decisions)
-        rule = SpillRule.from_config(config) if config else None
+        rule = DecisionRule.from_config(config) if config else None
         routable = sum(1 for i in instances if i.routable)
         return FleetSnapshot(
             time=self.wall_clock(),
@@ -394,7 +439,9 @@ class FleetView:
             config_version=state.config.version if state else 0,
             concurrency_threshold=config.concurrency_threshold if config else 0,
             spill_policy=config.spill.policy.value if config else "",
-            spill_limit=rule.limit(totals.in_flight or 0, routable) if rule else 0,
+            spill_limit=(
+                math.ceil(in_flight_bound(rule, totals.in_flight or 0, routable)) if rule else 0
+            ),
             window_s=self.window_s,
             scrape_interval_s=self.interval_s,
             instances=tuple(rows),

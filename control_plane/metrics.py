@@ -174,15 +174,14 @@ class ControlPlaneCollector:
         if snap.concurrency_threshold:
             threshold = _family(
                 "concurrency_threshold",
-                "ConcurrencyThreshold: fleet-wide in-flight count per instance "
-                "at which new requests spill (bounded-load).",
+                "ConcurrencyThreshold: requests waiting for their first token at which an "
+                "instance counts as overloaded.",
             )
             threshold.add_metric([], snap.concurrency_threshold)
             limit = _family(
                 "spill_limit",
-                "In-flight count at which an instance takes no more "
-                "requests now (the threshold, or relative-load's "
-                "bound).",
+                "In-flight count at which an instance takes no more requests now "
+                "(load_factor x the fleet's mean in flight).",
             )
             limit.add_metric([], snap.spill_limit)
             yield from (threshold, limit)

@@ -9,7 +9,10 @@ data-parallel engines are one series each):
 * ``vllm:time_to_first_token_seconds_bucket`` (cumulative buckets by ``le``);
 * ``vllm:num_requests_running``, ``vllm:num_requests_waiting`` (summed);
 * ``vllm:kv_cache_usage_perc`` (older: ``vllm:gpu_cache_usage_perc``; averaged
-  over engines, it is a fraction in [0, 1]).
+  over engines, it is a fraction in [0, 1]);
+* ``vllm:request_prefill_time_seconds_sum`` and ``vllm:cache_config_info``'s
+  ``num_gpu_blocks x block_size``: what the router learns of an instance (its prefill
+  rate, :func:`learned_rate`, and its KV cache size).
 
 A metric the page lacks reads as ``None``; it is not an error. Text that is not
 Prometheus exposition raises :class:`MetricsFormatError`.
@@ -31,6 +34,8 @@ from dataclasses import dataclass
 
 from prometheus_client.parser import text_string_to_metric_families
 
+from prefix_router.core.work import learned_prefill_rate
+
 __all__ = [
     "Buckets",
     "MetricsFormatError",
@@ -38,6 +43,7 @@ __all__ = [
     "VllmReading",
     "bucket_delta",
     "histogram_quantile",
+    "learned_rate",
     "merge_buckets",
     "parse_vllm_metrics",
     "ratio",
@@ -54,6 +60,8 @@ KV_USAGE = ("vllm:kv_cache_usage_perc", "vllm:gpu_cache_usage_perc")
 RUNNING = "vllm:num_requests_running"
 WAITING = "vllm:num_requests_waiting"
 TTFT_BUCKET = "vllm:time_to_first_token_seconds_bucket"
+PREFILL_SECONDS = "vllm:request_prefill_time_seconds_sum"
+CACHE_CONFIG = "vllm:cache_config_info"
 
 
 class MetricsFormatError(ValueError):
@@ -70,11 +78,28 @@ class VllmReading:
     running: float | None = None
     waiting: float | None = None
     kv_cache_usage: float | None = None
+    prefill_seconds: float | None = None
+    """``vllm:request_prefill_time_seconds_sum``: seconds of prefill since start."""
+    kv_cache_tokens: float | None = None
+    """``num_gpu_blocks x block_size`` from ``vllm:cache_config_info``: the KV cache's size."""
 
     @property
     def hit_rate(self) -> float | None:
         """Cumulative prefix-cache hit rate (tokens hit / tokens queried) since start."""
         return ratio(self.prefix_cache_hits, self.prefix_cache_queries)
+
+
+def learned_rate(new: VllmReading, old: VllmReading | None) -> float | None:
+    """The instance's prefill rate over the window between two readings (see
+    :func:`prefix_router.core.work.learned_prefill_rate`); None if it cannot tell."""
+    if old is None:
+        return None
+    queries = _counter_delta(new.prefix_cache_queries, old.prefix_cache_queries)
+    hits = _counter_delta(new.prefix_cache_hits, old.prefix_cache_hits)
+    seconds = _counter_delta(new.prefill_seconds, old.prefill_seconds)
+    if queries is None or hits is None or seconds is None:
+        return None
+    return learned_prefill_rate(queries - hits, seconds)
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,10 +123,13 @@ def parse_vllm_metrics(text: str) -> VllmReading:
     sums: dict[str, float] = defaultdict(float)
     counts: dict[str, int] = defaultdict(int)
     buckets: dict[float, float] = defaultdict(float)
+    kv_tokens = 0.0
     try:
         for family in text_string_to_metric_families(text):
             for sample in family.samples:
-                if sample.name == TTFT_BUCKET:
+                if sample.name == CACHE_CONFIG:
+                    kv_tokens += _kv_tokens(sample.labels)
+                elif sample.name == TTFT_BUCKET:
                     bound = _bound(sample.labels.get("le"))
                     if bound is not None:
                         buckets[bound] += sample.value
@@ -125,7 +153,17 @@ def parse_vllm_metrics(text: str) -> VllmReading:
         running=first((RUNNING,)),
         waiting=first((WAITING,)),
         kv_cache_usage=sums[kv_name] / counts[kv_name] if kv_name else None,
+        prefill_seconds=first((PREFILL_SECONDS,)),
+        kv_cache_tokens=kv_tokens or None,
     )
+
+
+def _kv_tokens(labels: dict[str, str]) -> float:
+    """One engine's KV cache size in tokens from its ``cache_config_info`` labels (0: unknown)."""
+    try:
+        return float(labels["num_gpu_blocks"]) * float(labels["block_size"])
+    except (KeyError, ValueError):
+        return 0.0
 
 
 def _bound(le: str | None) -> float | None:

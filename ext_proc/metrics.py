@@ -11,9 +11,9 @@ import logging
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
 
-from ext_proc.router import RouterCallbacks
+from ext_proc.router import RouteDecision, RouterCallbacks
+from prefix_router.core.decision import Outcome
 from prefix_router.core.key import Fallback
-from prefix_router.core.table import Decision, Outcome
 
 log = logging.getLogger("prefix_router.ext_proc")
 
@@ -40,8 +40,9 @@ class PrometheusCallbacks(RouterCallbacks):
         self.registry = registry or CollectorRegistry()
         self.decisions = Counter(
             "prefix_router_ext_proc_decisions",
-            "Routing decisions by outcome: home, spilled, ring_only (load store unavailable), "
-            "no_instances, error.",
+            "Routing decisions by outcome: home (to an instance holding the longest prefix), "
+            "placed (nobody holds it), spilled (away from its holders: their queues outweighed "
+            "their cache), ring_only (routing store unavailable), no_instances, error.",
             ["outcome"],
             registry=self.registry,
         )
@@ -87,7 +88,7 @@ class PrometheusCallbacks(RouterCallbacks):
         self._fallen_back = {r: self.fallbacks.labels(r.value) for r in Fallback}
         self._in_flight_of: dict[str, Gauge] = {}
 
-    def on_decision(self, decision: Decision, seconds: float, request_id: str) -> None:
+    def on_decision(self, decision: RouteDecision, seconds: float, request_id: str) -> None:
         self._decided[decision.outcome].inc()
         self.decision_seconds.observe(seconds)
         if decision.outcome is Outcome.SPILLED:

@@ -1,19 +1,18 @@
-"""The request router: key -> candidates -> reservation -> decision, for one request.
+"""The request router: key -> decision -> header, for one request.
 
-This is the part of ext_proc that knows nothing about gRPC. It holds the
-current :class:`~prefix_router.core.table.RoutingTable` (swapped whole when the
-fleet or the config changes) and a :class:`~prefix_router.state.loads.LoadStore`.
+This is the part of ext_proc that knows nothing about gRPC. It holds the current
+:class:`~prefix_router.core.table.RoutingTable` (swapped whole when the fleet or the config
+changes) and a :class:`~prefix_router.state.routing.RoutingStore`, which decides with the
+one decision function over the fleet's shared state.
 
-The store bounds its own waits on Redis (``redis_timeout_ms`` per round trip)
-and reports a failed or slow Redis as :class:`LoadsUnavailable`: the request is
-then routed without fleet-wide counts (``RING_ONLY``): placed and spilled on
-this replica's own counts and placements, so a hot prefix is still spread, if
-less evenly. The failure is logged once, and the store is left alone for a short
-back-off so a dead Redis costs each request nothing; the first success after
-that logs the recovery. Time a
-request spends queued in this process under a burst is not Redis being slow,
-so it does not count against Redis; a backstop of ``STORE_WAIT_FACTOR`` round
-trips still bounds the wait.
+The store bounds its own waits on Redis (``redis_timeout_ms`` per round trip) and reports
+a failed or slow Redis as :class:`StateUnavailable`: the request is then decided on this
+replica's own state (``RING_ONLY``): the same decision over what this replica has routed,
+so a hot prefix is still spread, if less evenly. The failure is logged once, and the
+store is left alone for a short back-off so a dead Redis costs each request nothing; the
+first success after that logs the recovery. Time a request spends queued in this process
+under a burst is not Redis being slow, so it does not count against Redis; a backstop of
+``STORE_WAIT_FACTOR`` round trips still bounds the wait.
 """
 
 from __future__ import annotations
@@ -23,10 +22,10 @@ import logging
 import time
 from dataclasses import dataclass
 
+from prefix_router.core.decision import Outcome
 from prefix_router.core.key import Fallback, PrefixKey, extract_key
-from prefix_router.core.placement import Placement
-from prefix_router.core.table import Decision, Outcome, RoutingTable
-from prefix_router.state.loads import InMemoryLoadStore, LoadStore, LoadsUnavailable, Reservation
+from prefix_router.core.table import RoutingTable
+from prefix_router.state.routing import InProcessStore, Routed, RoutingStore, StateUnavailable
 
 log = logging.getLogger("prefix_router.ext_proc")
 
@@ -37,7 +36,7 @@ STORE_WAIT_FACTOR = 10
 class RouterCallbacks:
     """Hooks for metrics and logs; every method is a no-op by default."""
 
-    def on_decision(self, decision: Decision, seconds: float, request_id: str) -> None:
+    def on_decision(self, routed: RouteDecision, seconds: float, request_id: str) -> None:
         """A request was routed; ``seconds`` is the decision's latency."""
 
     def on_fallback(self, reason: Fallback) -> None:
@@ -56,13 +55,27 @@ class RouterCallbacks:
         """An ext_proc stream ended: closed by Envoy's half-close, or ``reset``."""
 
 
+@dataclass(frozen=True, slots=True)
+class RouteDecision:
+    """Where one request goes, as ext_proc applies and reports it."""
+
+    outcome: Outcome
+    instance_id: str | None
+    header_value: str | None
+    """The ``x-prefix-key`` value that makes Envoy pick ``instance_id`` (None: unrouted)."""
+    home_id: str | None
+    """The instance holding the longest prefix of the request (None: nobody did)."""
+    cached_tokens: int = 0
+    """Tokens of the prompt the instance is expected to have cached."""
+
+
 @dataclass(slots=True)
 class RouteResult:
-    decision: Decision
+    decision: RouteDecision
     key: PrefixKey
     reserved: str | None
     """Instance id whose in-flight count this request holds, to release at its end."""
-    store: LoadStore | None = None
+    store: RoutingStore | None = None
     """The store holding that count."""
 
 
@@ -70,14 +83,14 @@ class RequestRouter:
     def __init__(
         self,
         table: RoutingTable,
-        store: LoadStore,
+        store: RoutingStore,
         callbacks: RouterCallbacks | None = None,
     ) -> None:
         self.table = table
         self.store = store
         self.callbacks = callbacks or RouterCallbacks()
-        self.local = InMemoryLoadStore()
-        """Counts of the requests routed while the shared store was unavailable."""
+        self.local = InProcessStore()
+        """This replica's own state, decided on while the shared store is unavailable."""
         self._store_down_until = 0.0
         self._store_down = False
 
@@ -101,60 +114,48 @@ class RequestRouter:
         )
         if key.fallback is not None:
             self.callbacks.on_fallback(key.fallback)
-        candidates, placement = table.lookup(key.value)
-        if not candidates:
-            decision = Decision(Outcome.NO_INSTANCES, None, None, None)
+        if not table.ids:
+            decision = RouteDecision(Outcome.NO_INSTANCES, None, None, None)
             self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
             return RouteResult(decision, key, None)
-        names = [table.ids[c] for c in candidates]
-        reservation, store, degraded = await self._reserve(names, placement, table, request_id)
-        chosen = reservation.index
-        reserved = names[chosen]
-        self.callbacks.on_reserved(reserved)
-        if degraded:
-            outcome = Outcome.RING_ONLY
-        else:
-            outcome = Outcome.HOME if chosen == reservation.start else Outcome.SPILLED
-        decision = Decision(
-            outcome,
-            reserved,
-            table.header_for(key.value, candidates, chosen),
-            names[reservation.start],
+        routed, store, degraded = await self._route(key, table, request_id)
+        made = routed.decision
+        self.callbacks.on_reserved(routed.instance_id)
+        decision = RouteDecision(
+            Outcome.RING_ONLY if degraded else made.outcome,
+            routed.instance_id,
+            table.header_for(key.value, routed.ring_order, made.instance),
+            None if made.home is None else table.ids[made.home],
+            made.cached_tokens,
         )
         self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
-        return RouteResult(decision, key, reserved, store)
+        return RouteResult(decision, key, routed.instance_id, store)
 
-    async def _reserve(
-        self, names: list[str], placement: Placement | None, table: RoutingTable, request_id: str
-    ) -> tuple[Reservation, LoadStore, bool]:
-        """A reservation on fleet-wide counts, or on this replica's own when those are
+    async def _route(
+        self, key: PrefixKey, table: RoutingTable, request_id: str
+    ) -> tuple[Routed, RoutingStore, bool]:
+        """A decision on the fleet's shared state, or on this replica's own when that is
         unavailable (then ``degraded`` is True)."""
-        fleet_size = len(table.ids)
         now = time.monotonic()
         if now >= self._store_down_until:
             try:
                 backstop = STORE_WAIT_FACTOR * table.config.redis_timeout_ms / 1000
                 async with asyncio.timeout(backstop):
-                    reservation = await self.store.reserve(
-                        names, table.spill, fleet_size, request_id, placement
-                    )
+                    routed = await self.store.route(key, table, request_id)
                 if self._store_down:
                     self._store_down = False
-                    log.warning("load store answers again: fleet-wide spill resumed")
-                return reservation, self.store, False
-            except (LoadsUnavailable, OSError, TimeoutError) as exc:
+                    log.warning("routing store answers again: fleet-wide routing resumed")
+                return routed, self.store, False
+            except (StateUnavailable, OSError, TimeoutError) as exc:
                 self._store_down_until = now + STORE_BACKOFF_S
                 if not self._store_down:
                     self._store_down = True
                     log.warning(
-                        "load store unavailable (%r): routing by the ring and this "
-                        "replica's own counts",
+                        "routing store unavailable (%r): deciding on this replica's own state",
                         exc,
                     )
-        reservation = await self.local.reserve(
-            names, table.spill, fleet_size, request_id, placement
-        )
-        return reservation, self.local, True
+        routed = await self.local.route(key, table, request_id)
+        return routed, self.local, True
 
     def finish(self, result: RouteResult) -> None:
         """The request ended (normally or not): give back its in-flight count."""

@@ -29,8 +29,8 @@ from prefix_router.core.config import RouterConfig, load_config_file
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.table import RoutingTable
 from prefix_router.logs import setup_logging
-from prefix_router.state.loads import InMemoryLoadStore, LoadStore
-from prefix_router.state.loads.redis_store import RedisLoadStore
+from prefix_router.state.routing import InProcessStore, RoutingStore
+from prefix_router.state.routing.redis_store import RedisStore
 
 log = logging.getLogger("prefix_router.ext_proc")
 
@@ -100,11 +100,13 @@ async def serve(
         log.info("ext_proc stopped")
 
 
-async def _load_store(redis_url: str | None, namespace: str, config: RouterConfig) -> LoadStore:
-    """Fleet-wide counts in Redis when given one, else this process's own counts."""
+async def _routing_store(
+    redis_url: str | None, namespace: str, config: RouterConfig
+) -> RoutingStore:
+    """The fleet's routing state in Redis when given one, else this process's own."""
     if redis_url is None:
-        return InMemoryLoadStore()
-    return await RedisLoadStore.connect(
+        return InProcessStore()
+    return await RedisStore.connect(
         redis_url, namespace=namespace, timeout_s=config.redis_timeout_ms / 1000
     )
 
@@ -115,7 +117,7 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--port", type=int, required=True)
     p.add_argument("--backend", action="append", default=[], help="host:port (static fleet)")
     p.add_argument("--config", help="YAML file with the routing config")
-    p.add_argument("--redis-url", help="share in-flight counts (and follow the fleet) in Redis")
+    p.add_argument("--redis-url", help="share the routing state (and follow the fleet) in Redis")
     p.add_argument("--namespace", default="prefix-router:", help="Redis key prefix")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
     p.add_argument(
@@ -140,7 +142,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        store = await _load_store(args.redis_url, args.namespace, config)
+        store = await _routing_store(args.redis_url, args.namespace, config)
         callbacks = PrometheusCallbacks()
         if args.metrics_port:
             start_http_server(args.metrics_port, addr=args.host, registry=callbacks.registry)

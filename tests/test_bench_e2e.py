@@ -23,7 +23,7 @@ WORKLOAD = ["--workload", "system-prompt",
 
 def test_bench_run_round_robin_and_prefix_through_the_real_stack(tmp_path: Path) -> None:
     before = {p.pid for p in psutil.Process().children(recursive=True)}
-    code = main(["bench", "run", *WORKLOAD, "--policies", "round-robin,prefix-spill",
+    code = main(["bench", "run", *WORKLOAD, "--policies", "round-robin,prefix",
                  "--instances", "2", "--time-scale", "20", "--ext-procs", "1",
                  "--max-duration", "120", "--out", str(tmp_path),
                  "--work-dir", str(tmp_path / "work")])
@@ -32,7 +32,7 @@ def test_bench_run_round_robin_and_prefix_through_the_real_stack(tmp_path: Path)
     assert left == set(), "every process the benchmark started must be stopped"
 
     rr = RunResult.load(tmp_path / "system-prompt" / "live-round-robin.json")
-    prefix = RunResult.load(tmp_path / "system-prompt" / "live-prefix-spill.json")
+    prefix = RunResult.load(tmp_path / "system-prompt" / "live-prefix.json")
     for result in (rr, prefix):
         assert len(result.records) == 32 and result.errors == 0
         assert all(r.ttft_s is not None and r.e2e_s is not None and r.e2e_s >= r.ttft_s
@@ -43,7 +43,8 @@ def test_bench_run_round_robin_and_prefix_through_the_real_stack(tmp_path: Path)
         assert all(i.peak_in_flight >= 1 for i in result.instances if i.requests)
     assert all(i.requests > 8 for i in rr.instances)  # Envoy round robin over both
 
-    # ext_proc's key reached Envoy's ring: each system prompt stayed on one instance
+    # ext_proc's key reached Envoy's ring: with pure affinity (``prefix``: no spill) each
+    # system prompt stayed on the instance that first served it
     served: dict[str, set[str | None]] = defaultdict(set)
     groups = [a.group for a in generate("system-prompt", PARAMS)]
     for group, record in zip(groups, prefix.records, strict=True):
@@ -52,6 +53,6 @@ def test_bench_run_round_robin_and_prefix_through_the_real_stack(tmp_path: Path)
     assert prefix.hit_rate > rr.hit_rate
 
     report = (tmp_path / "report.md").read_text()
-    assert "| prefix-spill |" in report and "| round-robin |" in report
+    assert "| prefix |" in report and "| round-robin |" in report
     pngs = list((tmp_path / "plots").glob("*.png"))
     assert len(pngs) == 3 and all(0 < p.stat().st_size < 200_000 for p in pngs)

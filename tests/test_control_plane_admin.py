@@ -95,7 +95,7 @@ async def test_a_config_change_is_versioned_and_audited(admin: Admin) -> None:
     assert r.status_code == 200
     assert r.json()["version"] == 2
     assert r.json()["config"]["prefix_length"] == 64
-    assert r.json()["config"]["spill"]["policy"] == "bounded-load"  # nested merge kept it
+    assert r.json()["config"]["spill"]["policy"] == "least-work"  # nested merge kept it
     r = await admin.client.put("/config", json={"prefix_mode": "bytes"})
     assert r.json()["version"] == 3
     assert r.json()["config"]["prefix_length"] == RouterConfig().prefix_length  # PUT replaces

@@ -40,7 +40,10 @@ def test_decisions_fallbacks_and_streams_are_counted(procs: ProcessReaper, log_d
         huge = json.dumps({"model": "m", "messages": [{"role": "user", "content": "x" * 5 * MIB}]})
         assert client.post(f"{stack.url}/v1/chat/completions", content=huge).status_code == 200
     got = samples(f"http://127.0.0.1:{metrics_port}/metrics")
-    assert got[("prefix_router_ext_proc_decisions_total", (("outcome", "home"),))] == 11
+    # one after another: each of the three keys (chat, invalid JSON, huge) is placed once,
+    # then found where it was placed
+    assert got[("prefix_router_ext_proc_decisions_total", (("outcome", "placed"),))] == 3
+    assert got[("prefix_router_ext_proc_decisions_total", (("outcome", "home"),))] == 8
     assert got[("prefix_router_ext_proc_decisions_total", (("outcome", "spilled"),))] == 0
     assert got[("prefix_router_ext_proc_key_fallbacks_total", (("reason", "invalid_json"),))] == 3
     # Above openai_max_parse_bytes (4 MiB) the body is keyed on its bytes, unparsed.

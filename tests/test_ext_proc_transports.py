@@ -23,7 +23,7 @@ from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.table import RoutingTable
 from prefix_router.ops.procs import free_port
-from prefix_router.state.loads import InMemoryLoadStore
+from prefix_router.state.routing import InProcessStore
 
 
 @pytest.fixture(params=[Http2ExtProcServer, GrpcioExtProcServer])
@@ -33,7 +33,7 @@ async def served(
     table = RoutingTable.build(
         Fleet.of([Instance("127.0.0.1", 8000 + i) for i in range(3)]), RouterConfig()
     )
-    processor = ExternalProcessor(RequestRouter(table, InMemoryLoadStore()))
+    processor = ExternalProcessor(RequestRouter(table, InProcessStore()))
     server: ExtProcServer = request.param(processor)
     port = free_port()
     await server.start("127.0.0.1", port)

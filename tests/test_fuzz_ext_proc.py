@@ -24,7 +24,7 @@ from prefix_router.core.config import PrefixMode, RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.key import KeySettings, extract_key
 from prefix_router.core.table import RoutingTable
-from prefix_router.state.loads import InMemoryLoadStore
+from prefix_router.state.routing import InProcessStore
 
 PATHS = st.sampled_from(
     ["/v1/chat/completions", "/v1/completions", "/v1/responses", "/v1/embeddings", "/", ""]
@@ -66,7 +66,11 @@ def hostile_bodies() -> st.SearchStrategy[bytes]:
     return st.one_of(st.binary(max_size=4096), as_json, truncated, nested, deep_object)
 
 
-SETTINGS = [KeySettings(1024, PrefixMode.OPENAI), KeySettings(7, PrefixMode.BYTES)]
+SETTINGS = [
+    KeySettings(1024, PrefixMode.OPENAI),
+    KeySettings(7, PrefixMode.BYTES),
+    KeySettings(32 * 1024, PrefixMode.OPENAI, block_bytes=512),
+]
 
 
 @settings(max_examples=400, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -78,7 +82,9 @@ def test_extract_key_never_raises_and_is_fast(
         started = time.process_time()  # CPU time: a busy machine does not inflate it
         key = extract_key(body, settings=key_settings, path=path, tenant=tenant, complete=complete)
         assert time.process_time() - started < 0.25
-        assert len(key.value) == 32
+        assert len(key.value) == 16 and key.value == f"{key.blocks[-1]:016x}"
+        assert len(key.blocks) == len(key.ends) and list(key.ends) == sorted(key.ends)
+        assert key.ends[-1] <= key_settings.prefix_length and 1 <= key.prompt_tokens
 
 
 def test_a_huge_body_is_keyed_quickly() -> None:
@@ -118,7 +124,7 @@ ROUTER = RequestRouter(
     RoutingTable.build(
         Fleet.of([Instance("127.0.0.1", 8000 + i) for i in range(3)]), RouterConfig()
     ),
-    InMemoryLoadStore(),
+    InProcessStore(),
 )
 
 
@@ -158,7 +164,7 @@ async def test_the_count_is_held_until_the_stream_ends(cancelled: bool) -> None:
     """The request is in flight from its routing until Envoy ends the stream, by a
     half-close (graceful close, our bootstrap) or a reset (a client abort on an Envoy
     without it). Either gives the count back, once."""
-    store = InMemoryLoadStore()
+    store = InProcessStore()
     processor = ExternalProcessor(RequestRouter(ROUTER.table, store))
     session = processor.open()
     for message in messages(b'{"model": "m", "prompt": "hi"}', "/v1/completions", ""):
@@ -169,16 +175,16 @@ async def test_the_count_is_held_until_the_stream_ends(cancelled: bool) -> None:
     assert sum((await store.in_flight()).values()) == 0 and processor.open_streams == 0
 
 
-class GatedStore(InMemoryLoadStore):
+class GatedStore(InProcessStore):
     """Counts in process, but a reservation waits for ``gate``: a slow Redis."""
 
     def __init__(self) -> None:
         super().__init__()
         self.gate = asyncio.Event()
 
-    async def reserve(self, *args: Any, **kwargs: Any) -> Any:
+    async def route(self, *args: Any, **kwargs: Any) -> Any:
         await self.gate.wait()
-        return await super().reserve(*args, **kwargs)
+        return await super().route(*args, **kwargs)
 
 
 async def test_a_stream_that_ends_while_its_request_is_routed_gives_the_count_back() -> None:

@@ -2,11 +2,13 @@
 
 Instances are simulated vLLM servers driven in process (httpx ASGITransport),
 plus one that refuses connections and one that answers something that is not
-Prometheus text. The load store's keys are written by the real RedisLoadStore.
+Prometheus text. The routing store's keys are written by the real RedisStore.
 """
 
 from __future__ import annotations
 
+import asyncio
+import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
 
@@ -21,11 +23,12 @@ from control_plane.fleet_view import FleetView
 from control_plane.metrics import METRIC_NAMES, PREFIX, ControlPlaneCollector, render
 from control_plane.service import AdminService
 from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE
-from prefix_router.core.config import RouterConfig, SpillPolicyName
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.decision import Outcome
 from prefix_router.core.fleet import Fleet, Instance
-from prefix_router.core.spill import SpillRule
+from prefix_router.core.key import extract_key
 from prefix_router.core.table import RoutingTable
-from prefix_router.state.loads.redis_store import RedisLoadStore
+from prefix_router.state.routing.redis_store import RedisStore
 from prefix_router.state.store import StateStore
 from tests.conftest import REDIS_URL
 from tests.support.redis_ns import fresh_store
@@ -87,15 +90,24 @@ async def test_fleet_view_reads_every_instance_and_the_load_store(fleetside: Fle
     await complete(f.client, A, PROMPT + "first")
     await f.view.tick()
     await complete(f.client, A, PROMPT + "second")  # shares a long prefix: hits the cache
-    loads = await RedisLoadStore.connect(REDIS_URL, namespace=f.store.keys.namespace, timeout_s=5.0)
+    routing = await RedisStore.connect(REDIS_URL, namespace=f.store.keys.namespace, timeout_s=5.0)
     try:
-        rule = SpillRule(policy=SpillPolicyName.BOUNDED_LOAD, threshold=1)
-        first = await loads.reserve([A.id, B.id], rule, 2, request_id="req-home")
-        second = await loads.reserve([A.id, B.id], rule, 2, request_id="req-spilled")
-        assert (first.index, second.index) == (0, 1)
+        table = RoutingTable.build(Fleet.of([A, B]), RouterConfig())
+        key = extract_key(PROMPT.encode(), settings=table.key_settings)
+        routed = [await routing.route(key, table, "req-0")]
+        # held in flight, they fill the holder to the in-flight bound, then go to the other
+        while routed[-1].decision.outcome is not Outcome.SPILLED and len(routed) < 10:
+            routed.append(await routing.route(key, table, f"req-{len(routed)}"))
+        spilled = routed[-1]
+        assert spilled.decision.outcome is Outcome.SPILLED
+        counts = {i: [r.instance_id for r in routed].count(i) for i in (A.id, B.id)}
+        for _ in range(500):  # the counts ride on the store's next round trip
+            if await routing.in_flight() == counts:
+                break
+            await asyncio.sleep(0.01)
         await f.view.tick()
     finally:
-        await loads.close()
+        await routing.close()
     snap = f.view.snapshot()
     rows = {r.id: r for r in snap.instances}
     assert list(rows) == [A.id, B.id, DOWN.id, NOT_VLLM.id]
@@ -121,13 +133,16 @@ async def test_fleet_view_reads_every_instance_and_the_load_store(fleetside: Fle
     assert sum(expected_share.values()) == pytest.approx(1.0)
     assert b.ring_share > a.ring_share  # weight 2
 
-    assert (a.in_flight, b.in_flight) == (1, 1)
-    assert snap.fleet.decisions == {"home": 1, "spilled": 1}
-    assert snap.fleet.predicted_affinity == pytest.approx(0.5)
+    assert (a.in_flight, b.in_flight) == (counts[A.id], counts[B.id])
+    homes = len(routed) - 2
+    assert snap.fleet.decisions == {"placed": 1, "home": homes, "spilled": 1}
+    assert snap.fleet.predicted_affinity == pytest.approx(homes / (homes + 1))
     assert [(s["home"], s["to"], s["request_id"]) for s in snap.spills] == [
-        (A.id, B.id, "req-spilled")
+        (routed[0].instance_id, spilled.instance_id, f"req-{len(routed) - 1}")
     ]
-    assert snap.concurrency_threshold == 1 and snap.spill_limit == 1
+    routable = sum(1 for r in snap.instances if r.routable)
+    bound = 1.25 * (len(routed) / routable + 1)  # load_factor x (the fleet's mean + 1)
+    assert snap.concurrency_threshold == 1 and snap.spill_limit == math.ceil(bound)
     assert snap.fleet.hit_rate == pytest.approx(a.hit_rate)  # only A served in the window
     assert snap.loads_error is None and snap.state_error is None
 

@@ -49,12 +49,14 @@ def test_one_request_id_through_envoy_ext_proc_and_the_backend(
     config = RouterConfig.model_validate({"concurrency_threshold": 1})
     with running_stack(procs, tmp_path, instances=2, sim_time_scale=1.0, config=config) as stack:
         logs = stack.log_dir
-        # the same prompt twice at once: the second finds its home at the threshold and spills
+        # the same long prompt twice, 0.3 s apart: the first is still in its prefill (6,500
+        # tokens, 0.8 s at the default rate) so its holder is at the threshold: the second
+        # spills
         responses: list[httpx.Response] = []
 
         def send() -> None:
             with httpx.Client(timeout=60) as client:
-                responses.append(stack.chat(client, "Same prompt. " * 50, max_tokens=60))
+                responses.append(stack.chat(client, "Same prompt. " * 2000, max_tokens=60))
 
         threads = [threading.Thread(target=send) for _ in range(2)]
         for t in threads:

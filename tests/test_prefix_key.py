@@ -7,7 +7,14 @@ import json
 import pytest
 
 from prefix_router.core.config import PrefixMode
-from prefix_router.core.key import Fallback, KeySettings, extract_key
+from prefix_router.core.key import (
+    DEFAULT_OUTPUT_TOKENS,
+    MAX_OUTPUT_TOKENS,
+    Fallback,
+    KeySettings,
+    block_ends,
+    extract_key,
+)
 
 OPENAI = KeySettings(prefix_length=1024, mode=PrefixMode.OPENAI)
 BYTES = KeySettings(prefix_length=16, mode=PrefixMode.BYTES)
@@ -138,7 +145,7 @@ def test_bytes_mode_keys_on_the_first_prefix_length_bytes() -> None:
 
 def test_the_key_is_a_short_ascii_header_value() -> None:
     value = key(json.dumps({"model": "m", "messages": MESSAGES}))
-    assert len(value) == 32 and all(c in "0123456789abcdef" for c in value)
+    assert len(value) == 16 and all(c in "0123456789abcdef" for c in value)
 
 
 def _image_request(data: str, *, question: str = "What is this?") -> str:
@@ -151,9 +158,7 @@ def test_a_media_part_is_keyed_on_its_prefix_only() -> None:
     head = "iVBORw0KGgo" * 100  # past PrefixLength (1024)
     assert key(_image_request(head + "A" * 200_000)) == key(_image_request(head + "B" * 300_000))
     assert key(_image_request("A" + head)) != key(_image_request("B" + head))
-    assert key(_image_request(head)) != key(
-        _image_request(head, question="What is that?")
-    )
+    assert key(_image_request(head)) != key(_image_request(head, question="What is that?"))
 
 
 def test_parts_past_the_prefix_are_not_rendered_but_the_prefix_is_unchanged() -> None:
@@ -190,3 +195,70 @@ def test_a_body_above_the_parse_limit_is_keyed_on_its_bytes_unparsed() -> None:
     result = extract_key(large, settings=capped)
     assert result.fallback is Fallback.TOO_LARGE
     assert result.value == extract_key(large, settings=KeySettings(1024, PrefixMode.BYTES)).value
+
+
+# -- blocks: what the prefix index looks up ---------------------------------------------------
+
+BLOCKS = KeySettings(prefix_length=32 * 1024, mode=PrefixMode.BYTES, block_bytes=512)
+
+
+@pytest.mark.parametrize(
+    ("length", "block_bytes", "expected"),
+    [
+        (300, 512, (300,)),
+        (512, 512, (512,)),
+        (1000, 512, (512, 1000)),
+        (2048, 512, (512, 1024, 1536, 2048)),
+        (5000, 512, (512, 1024, 1536, 2048, 3072, 4096, 5000)),
+        (32768, 512, (512, 1024, 1536, 2048, 3072, 4096, 6144, 8192, 12288, 16384, 24576, 32768)),
+        (5000, 0, (5000,)),
+        (0, 512, (0,)),
+    ],
+)
+def test_blocks_are_even_then_grow_geometrically(
+    length: int, block_bytes: int, expected: tuple[int, ...]
+) -> None:
+    assert block_ends(length, block_bytes) == expected
+
+
+def test_a_longer_prompt_shares_the_blocks_of_the_prefix_it_extends() -> None:
+    first = extract_key(b"s" * 3000 + b"turn one", settings=BLOCKS, path="/x")
+    second = extract_key(b"s" * 3000 + b"turn one" + b"t" * 4000, settings=BLOCKS, path="/x")
+    shared = sum(1 for end in first.ends if end <= 3000)  # full blocks inside the shared part
+    assert first.blocks[:shared] == second.blocks[:shared]
+    assert first.blocks[shared] != second.blocks[shared]
+    assert len(first.blocks) == len(first.ends) and first.ends[-1] == 3008
+
+
+def test_each_block_hash_names_its_whole_prefix() -> None:
+    a = extract_key(b"a" * 512 + b"x" * 512, settings=BLOCKS, path="/x")
+    b = extract_key(b"b" * 512 + b"x" * 512, settings=BLOCKS, path="/x")
+    assert a.blocks[1] != b.blocks[1]  # same second block, different prefix before it
+
+
+def test_the_tenant_seeds_the_first_block() -> None:
+    body = b"y" * 2048
+    alice = extract_key(body, settings=BLOCKS, path="/x", tenant="alice")
+    bob = extract_key(body, settings=BLOCKS, path="/x", tenant="bob")
+    assert not set(alice.blocks) & set(bob.blocks)
+
+
+def test_a_fixed_key_is_one_block_of_prefix_length() -> None:
+    fixed = KeySettings(prefix_length=64, mode=PrefixMode.BYTES)
+    k = extract_key(b"z" * 1000, settings=fixed, path="/x")
+    assert k.ends == (64,) and len(k.blocks) == 1 and k.value == f"{k.blocks[0]:016x}"
+
+
+def test_the_request_says_its_size_and_its_output_limit() -> None:
+    body = json.dumps({"model": "m", "messages": MESSAGES, "max_tokens": 77}).encode()
+    k = extract_key(body, settings=OPENAI)
+    assert k.prompt_tokens == len(body) // 4 and k.output_tokens == 77
+    unlimited = extract_key(
+        json.dumps({"model": "m", "messages": MESSAGES}).encode(), settings=OPENAI
+    )
+    assert unlimited.output_tokens == DEFAULT_OUTPUT_TOKENS
+    huge = extract_key(
+        json.dumps({"model": "m", "messages": MESSAGES, "max_completion_tokens": 10**9}).encode(),
+        settings=OPENAI,
+    )
+    assert huge.output_tokens == MAX_OUTPUT_TOKENS

@@ -168,9 +168,9 @@ async def test_redis_stopped_and_restarted_mid_load_fails_no_request(
     report("Redis stopped 2 s", sent=sum(codes.values()), failed=sum(codes.values()) - codes[200])
     assert set(codes) == {200}, codes
     log = (log_dir / f"ext_proc-{stack.ext_proc_ports[0]}.log").read_text()
-    assert "load store unavailable" in log
-    assert "fleet-wide spill resumed" in log
-    # Spill resumed: requests are counted in Redis again.
+    assert "routing store unavailable" in log
+    assert "fleet-wide routing resumed" in log
+    # Fleet-wide routing resumed: requests are counted in Redis again.
     body = chat("after the outage " * 20, max_tokens=200)
     async with httpx.AsyncClient(timeout=30) as client:
         pending = asyncio.create_task(client.post(f"{stack.url}/v1/chat/completions", content=body))

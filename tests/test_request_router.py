@@ -6,51 +6,63 @@ import json
 
 from ext_proc.router import RequestRouter
 from prefix_router.core.config import RouterConfig
+from prefix_router.core.decision import Outcome
 from prefix_router.core.fleet import Fleet, Instance
-from prefix_router.core.table import Outcome, RoutingTable
-from prefix_router.state.loads import InMemoryLoadStore, LoadsUnavailable, Reservation
+from prefix_router.core.table import RoutingTable
+from prefix_router.state.routing import InProcessStore, Routed, StateUnavailable
 
-CONFIG = RouterConfig.model_validate({"concurrency_threshold": 2})
+CONFIG = RouterConfig()
 TABLE = RoutingTable.build(Fleet.of([Instance("127.0.0.1", 8000 + i) for i in range(3)]), CONFIG)
-BODY = json.dumps({"model": "m", "messages": [{"role": "user", "content": "hot"}]}).encode()
+SYSTEM = "You are the support assistant of a large company. " * 40
 PATH = "/v1/chat/completions"
 
 
-class DownStore(InMemoryLoadStore):
+def body(question: str) -> bytes:
+    messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": question}]
+    return json.dumps({"model": "m", "messages": messages}).encode()
+
+
+class DownStore(InProcessStore):
     """A shared store whose server is down."""
 
-    async def reserve(self, *args: object, **kwargs: object) -> Reservation:
-        raise LoadsUnavailable("connection refused")
+    async def route(self, *args: object, **kwargs: object) -> Routed:
+        raise StateUnavailable("connection refused")
 
 
-async def test_hot_prefix_goes_home_then_spills_along_the_ring() -> None:
-    router = RequestRouter(TABLE, InMemoryLoadStore())
-    results = [await router.route(BODY, path=PATH, tenant="") for _ in range(5)]
-    outcomes = [r.decision.outcome for r in results]
-    assert outcomes == [
-        Outcome.HOME,
-        Outcome.HOME,
-        Outcome.SPILLED,
-        Outcome.SPILLED,
-        Outcome.SPILLED,
-    ]
-    home = results[0].decision.instance_id
-    spilled = results[2].decision
-    assert spilled.home_id == home and spilled.instance_id != home
+class Clock:
+    now = 0.0
+
+    def __call__(self) -> float:
+        return self.now
+
+
+async def test_a_shared_prefix_goes_home_and_a_hot_one_spreads_with_load() -> None:
+    clock = Clock()
+    router = RequestRouter(TABLE, InProcessStore(clock))
+    first = await router.route(body("q0"), path=PATH, tenant="")
+    router.finish(first)
+    clock.now = 10.0  # its prefill is done: the next request finds the prefix cached
+    again = await router.route(body("q1"), path=PATH, tenant="")
+    assert first.decision.outcome is Outcome.PLACED and again.decision.outcome is Outcome.HOME
+    assert again.decision.instance_id == first.decision.instance_id
+    held = [again] + [await router.route(body(f"q{n}"), path=PATH, tenant="") for n in range(5)]
+    assert {r.decision.outcome for r in held[1:]} >= {Outcome.SPILLED}
+    assert len({r.decision.instance_id for r in held}) == 3  # the in-flight bound spread them
     # Envoy is steered by a header its ring maps to the chosen instance.
-    assert spilled.header_value is not None
-    picked = TABLE.ring.pick(spilled.header_value)
-    assert picked is not None and picked.id == spilled.instance_id
-    for r in results:
+    for r in held:
+        assert r.decision.header_value is not None
+        picked = TABLE.ring.pick(r.decision.header_value)
+        assert picked is not None and picked.id == r.decision.instance_id
+    for r in held:
         router.finish(r)
     assert await router.store.in_flight() == {}
 
 
-async def test_without_the_shared_store_it_spills_on_its_own_counts() -> None:
+async def test_without_the_shared_store_it_decides_on_its_own_state() -> None:
     router = RequestRouter(TABLE, DownStore())
-    results = [await router.route(BODY, path=PATH, tenant="") for _ in range(3)]
+    results = [await router.route(body("same"), path=PATH, tenant="") for _ in range(3)]
     assert {r.decision.outcome for r in results} == {Outcome.RING_ONLY}
-    assert len({r.decision.instance_id for r in results}) == 2  # home full at 2: spilled
+    assert len({r.decision.instance_id for r in results}) > 1  # still spread by load
     assert sum((await router.local.in_flight()).values()) == 3
     for r in results:
         router.finish(r)
@@ -58,8 +70,8 @@ async def test_without_the_shared_store_it_spills_on_its_own_counts() -> None:
 
 
 async def test_an_empty_fleet_routes_nothing() -> None:
-    router = RequestRouter(RoutingTable.build(Fleet.of([]), CONFIG), InMemoryLoadStore())
-    result = await router.route(BODY, path=PATH, tenant="")
+    router = RequestRouter(RoutingTable.build(Fleet.of([]), CONFIG), InProcessStore())
+    result = await router.route(body("x"), path=PATH, tenant="")
     assert result.decision.outcome is Outcome.NO_INSTANCES
     assert result.decision.header_value is None
     router.finish(result)

@@ -1,5 +1,5 @@
-"""Overload spill through real Envoy, two ext_proc replicas sharing counts in real Redis,
-and slow simulated vLLM instances."""
+"""Load against affinity through real Envoy, two ext_proc replicas sharing the routing
+state in real Redis, and slow simulated vLLM instances."""
 
 from __future__ import annotations
 
@@ -30,7 +30,11 @@ HOT_PROMPT = "You are the hot system prompt everyone shares. " * 20
 
 
 def spill_stack(
-    procs: ProcessReaper, log_dir: Path, namespace: str, policy: str = "bounded-load"
+    procs: ProcessReaper,
+    log_dir: Path,
+    namespace: str,
+    policy: str = "least-work",
+    ext_procs: int = 2,
 ) -> StaticStack:
     config = RouterConfig.model_validate(
         {"concurrency_threshold": THRESHOLD, "spill": {"policy": policy}}
@@ -39,7 +43,7 @@ def spill_stack(
         procs,
         log_dir,
         backends=INSTANCES,
-        ext_procs=2,
+        ext_procs=ext_procs,
         config=config,
         sim_args=SIM_ARGS,
         ext_proc_args=["--redis-url", REDIS_URL, "--namespace", namespace],
@@ -128,31 +132,26 @@ async def fleet_in_flight(namespace: str) -> dict[bytes, bytes]:
         await client.aclose()
 
 
-async def test_a_hot_prefix_spills_to_stable_homes_and_never_overloads_one(
-    procs: ProcessReaper, log_dir: Path, namespace: str
+@pytest.mark.parametrize("replicas", [1, 2])
+async def test_a_hot_prefix_spreads_with_load_and_never_overloads_one(
+    procs: ProcessReaper, log_dir: Path, namespace: str, replicas: int
 ) -> None:
-    stack = spill_stack(procs, log_dir, namespace)
-    below = await burst(stack, 10)
-    assert len(below) == 1, f"below the threshold no request leaves home: {below}"
-    home = next(iter(below))
+    stack = spill_stack(procs, log_dir, namespace, ext_procs=replicas)
+    alone = await burst(stack, 1)
+    home = next(iter(alone))
+    again = await burst(stack, 1)
+    assert again == alone, "with nothing in flight the prefix's holder takes it"
 
     async with PeakSampler(stack) as sampler:
-        first = await burst(stack, 100)
-    assert max(sampler.peak.values()) <= THRESHOLD, (sampler.peak, uncounted_routing_stats(stack))
-    assert len(first) == math.ceil(100 / THRESHOLD), first
-    assert first[home] == THRESHOLD
-
-    second = await burst(stack, 100)
-    assert set(second) == set(first), "a second burst uses the same instances"
-
-    async with PeakSampler(stack) as sampler:
-        wide = await burst(stack, 160)
-    assert len(wide) == INSTANCES, wide
-    assert max(sampler.peak.values()) <= math.ceil(160 / INSTANCES) + 1, (
-        sampler.peak,
-        wide,
-        uncounted_routing_stats(stack),
-    )
+        served = await burst(stack, 100)
+    # The in-flight bound is 1.25 x (the fleet's mean + 1). One replica decides a burst in
+    # order, each request seeing the ones before it. Replicas see each other's decisions one
+    # Redis round trip late: a burst that reaches both at once may fill an instance to the
+    # bound from each side (docs/reliability.md says so).
+    bound = math.ceil(stack.config.spill.load_factor * (100 / INSTANCES + 1)) * replicas
+    assert max(sampler.peak.values()) <= bound, (sampler.peak, uncounted_routing_stats(stack))
+    assert sum(served.values()) == 100 and max(served.values()) <= bound, served
+    assert len(served) >= 100 / bound and home in served, served
     assert await fleet_in_flight(namespace) == {}
 
 
@@ -160,8 +159,9 @@ async def test_with_spill_disabled_everything_stays_home(
     procs: ProcessReaper, log_dir: Path, namespace: str
 ) -> None:
     stack = spill_stack(procs, log_dir, namespace, policy="none")
+    placed = await burst(stack, 1)
     served = await burst(stack, 100)
-    assert len(served) == 1 and sum(served.values()) == 100
+    assert served == {next(iter(placed)): 100}
     assert await fleet_in_flight(namespace) == {}
 
 
@@ -172,29 +172,32 @@ async def test_a_new_prefix_starts_beside_its_busy_ring_pick_and_stays_there(
     table = RoutingTable.build(stack.fleet, stack.config)
 
     def ring_of(prompt: str) -> list[str]:
-        """The prompt's ring candidates as instance ports (the simulator's names)."""
+        """The prompt's first ring candidates as instance ports (the simulator's names)."""
         key = extract_key(chat_body(prompt), settings=table.key_settings).value
-        return [table.ids[c].rsplit(":", 1)[1] for c in table.lookup(key)[0]]
+        return [table.ids[c].rsplit(":", 1)[1] for c in table.ring_order(key)]
 
-    busy = ring_of(HOT_PROMPT)[0]
+    busy = next(iter(await burst(stack, 1)))
     prompts = (f"A cold prompt, number {i}. " * 30 for i in range(5000))
     cold = next(p for p in prompts if ring_of(p)[0] == busy)
     url = f"{stack.url}/v1/chat/completions"
     async with httpx.AsyncClient(timeout=60) as client:
-        hot = asyncio.gather(*(client.post(url, content=chat_body(HOT_PROMPT)) for _ in range(8)))
+        # two in flight on the hot prefix's holder put it over the in-flight bound
+        # (1.25 x (2 / 8 + 1) = 1.56): busy for a prefix nobody holds
+        hot = asyncio.gather(*(client.post(url, content=chat_body(HOT_PROMPT)) for _ in range(2)))
         redis = aioredis.Redis.from_url(REDIS_URL)
         try:
-            for _ in range(200):  # until the 8 are in flight on the hot prefix's home
-                if int(await redis.hget(f"{namespace}inflight", f"127.0.0.1:{busy}") or 0) >= 8:
+            for _ in range(200):  # until both are in flight on the hot prefix's holder
+                if int(await redis.hget(f"{namespace}inflight", f"127.0.0.1:{busy}") or 0) >= 2:
                     break
                 await asyncio.sleep(0.01)
+            else:
+                raise AssertionError("the hot requests never were in flight together")
         finally:
             await redis.aclose()
         first = await client.post(url, content=chat_body(cold))
-        assert {a.headers["x-sim-instance"] for a in await hot} == {busy}  # below the threshold
+        assert {a.headers["x-sim-instance"] for a in await hot} == {busy}  # within the bound
     placed = first.headers["x-sim-instance"]
-    width = stack.config.placement.width
-    assert placed != busy and placed in ring_of(cold)[:width], (placed, ring_of(cold))
-    later = await burst(stack, 4, prompt=cold)  # the ring pick is idle again: no matter
+    assert placed != busy and placed in ring_of(cold), (placed, ring_of(cold))
+    later = await burst(stack, 1, prompt=cold)  # the ring pick is idle again: no matter
     assert set(later) == {placed}
     assert await fleet_in_flight(namespace) == {}

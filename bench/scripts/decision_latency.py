@@ -1,10 +1,12 @@
-"""Latency of one routing decision: the key alone, the full decision on in-process counts,
-and the full decision with fleet-wide counts in Redis (one Lua call, one round trip).
+"""Latency of one routing decision: the key alone, the full decision on in-process state,
+and the full decision with the fleet's routing state in Redis (one script call, one round
+trip: the index slots of the request's blocks and every instance's queue).
 
     python bench/scripts/decision_latency.py [--redis-url redis://127.0.0.1:6379/0] [--n 5000]
 
 Sequential decisions (one in flight at a time), 8 instances, a 4 KB chat body; prints
-p50/p99 in microseconds and the difference Redis adds. Every count taken is given back.
+p50/p99 in microseconds and the difference Redis adds. Every count taken is given back and
+the namespace's keys are deleted at the end.
 """
 
 from __future__ import annotations
@@ -15,14 +17,16 @@ import statistics
 import time
 import uuid
 
+import redis.asyncio as aioredis
+
 from bench.scripts._harness import chat_body
 from ext_proc.router import RequestRouter
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.key import extract_key
 from prefix_router.core.table import RoutingTable
-from prefix_router.state.loads import InMemoryLoadStore, LoadStore
-from prefix_router.state.loads.redis_store import RedisLoadStore
+from prefix_router.state.routing import InProcessStore, RoutingStore
+from prefix_router.state.routing.redis_store import RedisStore
 
 PATH = "/v1/chat/completions"
 
@@ -32,7 +36,9 @@ def percentiles(samples: list[float]) -> tuple[float, float]:
     return statistics.median(samples), samples[int(0.99 * (len(samples) - 1))]
 
 
-async def time_decisions(store: LoadStore, table: RoutingTable, body: bytes, n: int) -> list[float]:
+async def time_decisions(
+    store: RoutingStore, table: RoutingTable, body: bytes, n: int
+) -> list[float]:
     router = RequestRouter(table, store)
     out = []
     for _ in range(n):
@@ -57,27 +63,31 @@ async def main() -> None:
         started = time.perf_counter()
         extract_key(body, settings=table.key_settings, path=PATH, tenant="t")
         key_only.append((time.perf_counter() - started) * 1e6)
-    memory = await time_decisions(InMemoryLoadStore(), table, body, args.n)
-    store = await RedisLoadStore.connect(
-        args.redis_url, namespace=f"bench-decision-{uuid.uuid4().hex[:6]}:", timeout_s=0.1
-    )
+    memory = await time_decisions(InProcessStore(), table, body, args.n)
+    namespace = f"bench-decision-{uuid.uuid4().hex[:6]}:"
+    store = await RedisStore.connect(args.redis_url, namespace=namespace, timeout_s=0.1)
     try:
         await time_decisions(store, table, body, 200)  # warm the connection and the script
         redis = await time_decisions(store, table, body, args.n)
     finally:
         await store.close()
+        cleaner = aioredis.Redis.from_url(args.redis_url)
+        keys = [k async for k in cleaner.scan_iter(match=f"{namespace}*")]
+        if keys:
+            await cleaner.delete(*keys)
+        await cleaner.aclose()
     rows = {
         "key alone": key_only,
-        "decision, in-process counts": memory,
-        "decision, Redis counts": redis,
+        "decision, in-process state": memory,
+        "decision, state in Redis": redis,
     }
     print("| path | p50 us | p99 us |")
     print("|---|---|---|")
     stats = {name: percentiles(v) for name, v in rows.items()}
     for name, (p50, p99) in stats.items():
         print(f"| {name} | {p50:.0f} | {p99:.0f} |")
-    added50 = stats["decision, Redis counts"][0] - stats["key alone"][0]
-    added99 = stats["decision, Redis counts"][1] - stats["key alone"][1]
+    added50 = stats["decision, state in Redis"][0] - stats["key alone"][0]
+    added99 = stats["decision, state in Redis"][1] - stats["key alone"][1]
     print(
         f"\nRedis decision path adds p50 {added50:.0f} us, p99 {added99:.0f} us over the key alone"
     )

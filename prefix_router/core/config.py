@@ -1,10 +1,10 @@
 """The one configuration model of prefix-router.
 
 Every setting that changes how requests are routed lives in :class:`RouterConfig`:
-the prefix key (PrefixLength, mode, tenant header), the placement of new
-prefixes, the overload spill (ConcurrencyThreshold and policy), the ring sizing
-and the Envoy cluster's health checking, outlier detection, circuit breakers and
-retries. The same
+the prefix key (PrefixLength, mode, match, tenant header), the prefix index, the
+placement of new prefixes, the load rule (ConcurrencyThreshold and spill policy), what
+is assumed of an instance until its metrics tell, the ring sizing and the Envoy
+cluster's health checking, outlier detection, circuit breakers and retries. The same
 model validates the YAML file at start-up, the admin API's PUT/PATCH bodies and
 what ext_proc reads back from Redis, so an invalid value is rejected in one
 place with one message.
@@ -18,7 +18,14 @@ from __future__ import annotations
 from enum import StrEnum
 from typing import Any
 
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
+from pydantic import (
+    BaseModel,
+    ConfigDict,
+    Field,
+    ValidationError,
+    field_validator,
+    model_validator,
+)
 
 from prefix_router.core.errors import ConfigError
 
@@ -35,21 +42,23 @@ class PrefixMode(StrEnum):
     """The first PrefixLength bytes of a canonical rendering of an OpenAI request."""
 
 
+class PrefixMatch(StrEnum):
+    """How much of the prompt the key stands for."""
+
+    LONGEST = "longest"
+    """Chained blocks up to PrefixLength: the longest prefix some instance holds wins."""
+    FIXED = "fixed"
+    """One key of exactly the first PrefixLength bytes (the reference product's rule)."""
+
+
 class SpillPolicyName(StrEnum):
-    """Which overload policy decides when a request leaves its home instance."""
+    """Whether load can take a request away from the instances holding its prefix."""
 
+    LEAST_WORK = "least-work"
+    """The candidate with the shortest expected wait for the first token (queued prefill
+    plus the request's own uncached prefill), among those not overloaded."""
     NONE = "none"
-    BOUNDED_LOAD = "bounded-load"
-    RELATIVE_LOAD = "relative-load"
-
-
-class PlacementPolicyName(StrEnum):
-    """Where a prefix seen for the first time starts: the instance that becomes its home."""
-
-    HOME = "home"
-    """The ring's pick, whatever the load: pure consistent hashing."""
-    LEAST_LOADED = "least-loaded"
-    """The least loaded of the prefix's first ``width`` ring candidates."""
+    """Always the instance holding the longest prefix (pure affinity)."""
 
 
 class _Frozen(BaseModel):
@@ -57,36 +66,55 @@ class _Frozen(BaseModel):
 
 
 class SpillConfig(_Frozen):
-    """Overload spill: when the home instance is busy, walk the ring to the next one."""
+    """When a prefix's holders are busy, whether the request may go elsewhere."""
 
-    policy: SpillPolicyName = SpillPolicyName.BOUNDED_LOAD
+    policy: SpillPolicyName = SpillPolicyName.LEAST_WORK
     load_factor: float = Field(
         1.25,
         gt=1.0,
         le=100.0,
-        description="relative-load: no instance above load_factor x the fleet mean in-flight.",
+        description="No instance takes new requests above load_factor x the fleet's mean "
+        "in-flight (+1) while another candidate can.",
     )
 
 
 class PlacementConfig(_Frozen):
-    """Where a new prefix goes, and how long its placement is remembered.
+    """Where a prefix nobody holds starts: the least loaded of its first ``width`` ring
+    candidates (1: the ring's pick, pure consistent hashing). Its later requests follow it
+    there through the prefix index."""
 
-    A prefix nobody has sent within ``memory_s`` is cached nowhere, so there is no
-    affinity to lose: ``least-loaded`` starts it on the least loaded of its first
-    ``width`` ring candidates, and its later requests follow it there. A prefix in
-    use keeps its home; spill still applies on top.
-    """
-
-    policy: PlacementPolicyName = PlacementPolicyName.LEAST_LOADED
     width: int = Field(
-        4, ge=1, le=8, description="least-loaded: ring candidates a new prefix may start on."
+        4, ge=1, le=16, description="Ring candidates a prefix nobody holds may start on."
     )
-    memory_s: float = Field(
-        600.0,
-        ge=1.0,
-        le=86_400.0,
-        description="A placement unused for this long is forgotten (about a KV cache's "
-        "retention of an idle prefix).",
+
+
+class IndexConfig(_Frozen):
+    """The prefix index: which instance recently computed which prompt blocks."""
+
+    block_bytes: int = Field(
+        512,
+        ge=64,
+        le=MIB,
+        description="Bytes of the rendered prompt per block (512 B: about 128 tokens).",
+    )
+    slots_log2: int = Field(
+        18,
+        ge=10,
+        le=26,
+        description="The index holds 4 x 2**slots_log2 entries in 32 x 2**slots_log2 bytes "
+        "(8 MiB at 18); size it to at least the fleet's KV cache tokens / 128 blocks.",
+    )
+
+
+class InstanceDefaults(_Frozen):
+    """What the router assumes of an instance until its vLLM metrics tell (the control
+    plane learns each instance's prefill rate and KV cache size from its /metrics)."""
+
+    prefill_tokens_per_s: float = Field(
+        8000.0, gt=0, le=10_000_000, description="Prompt tokens one instance computes a second."
+    )
+    kv_cache_tokens: int = Field(
+        400_000, ge=1000, le=1_000_000_000, description="Tokens one instance's KV cache holds."
     )
 
 
@@ -148,9 +176,13 @@ class RouterConfig(_Frozen):
     """Everything that decides where a request goes. One validated, versioned value."""
 
     prefix_length: int = Field(
-        1024, ge=1, le=MIB, description="PrefixLength: bytes of the (rendered) prompt keyed on."
+        32 * 1024,
+        ge=1,
+        le=MIB,
+        description="PrefixLength: the most bytes of the (rendered) prompt the key covers.",
     )
     prefix_mode: PrefixMode = PrefixMode.OPENAI
+    prefix_match: PrefixMatch = PrefixMatch.LONGEST
     openai_max_parse_bytes: int = Field(
         DEFAULT_OPENAI_MAX_PARSE_BYTES,
         ge=64 * 1024,
@@ -162,10 +194,16 @@ class RouterConfig(_Frozen):
         "x-tenant-id", description="Header whose value scopes the key; null disables tenancy."
     )
     concurrency_threshold: int = Field(
-        16, ge=1, le=1_000_000, description="ConcurrencyThreshold: in-flight requests per instance."
+        16,
+        ge=1,
+        le=1_000_000,
+        description="ConcurrencyThreshold: requests waiting for their first token at which an "
+        "instance is overloaded (decoding requests do not count).",
     )
     spill: SpillConfig = SpillConfig()
     placement: PlacementConfig = PlacementConfig()
+    index: IndexConfig = IndexConfig()
+    instance_defaults: InstanceDefaults = InstanceDefaults()
     ring: RingConfig = RingConfig()
     health_check: HealthCheckConfig = HealthCheckConfig()
     outlier_detection: OutlierDetectionConfig = OutlierDetectionConfig()
@@ -178,6 +216,25 @@ class RouterConfig(_Frozen):
         description="Longest one Redis round trip may take; past it ext_proc routes on its "
         "own counts and leaves Redis alone for a short back-off.",
     )
+
+    @model_validator(mode="before")
+    @classmethod
+    def _explain_retired_settings(cls, data: Any) -> Any:
+        """Settings of 0.1 that no longer exist get a message saying what replaced them."""
+        if isinstance(data, dict):
+            for section, name, why in _RETIRED:
+                value = data.get(section)
+                if isinstance(value, dict) and name in value:
+                    raise ValueError(f"{section}.{name} was retired: {why}")
+            policy = (
+                data.get("spill", {}).get("policy") if isinstance(data.get("spill"), dict) else None
+            )
+            if policy in ("bounded-load", "relative-load"):
+                raise ValueError(
+                    f"spill.policy {policy!r} was retired: load is now measured in prefill work "
+                    "(use 'least-work', the default, or 'none')"
+                )
+        return data
 
     @field_validator("tenant_header")
     @classmethod
@@ -195,6 +252,12 @@ class RouterConfig(_Frozen):
 
     def to_json_dict(self) -> dict[str, Any]:
         return self.model_dump(mode="json")
+
+
+_RETIRED = (
+    ("placement", "policy", "use placement.width 1 for the ring's pick"),
+    ("placement", "memory_s", "the prefix index forgets by each instance's KV cache size"),
+)
 
 
 def parse_config(data: Any) -> RouterConfig:

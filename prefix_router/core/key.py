@@ -25,24 +25,48 @@ Tenant scoping: the tenant header's value and the request's ``cache_salt`` are
 mixed into the key, so two tenants never share a key (and so never an
 instance's cache, which would leak timing across tenants).
 
-The key is ``xxh3_128(tenant, salt, prefix)`` in hex: 32 ASCII characters that
-Envoy's ring hashes with xxh64. Cost: one orjson parse plus one pass over at
-most PrefixLength bytes of rendering (~20 us for a 64 KB chat body). Rendering
-stops at PrefixLength: a 12 MB base64 image in the first message costs what its
-first PrefixLength characters cost, not a copy of the image.
+Blocks: the first PrefixLength bytes of the rendering (or raw body) are cut into blocks
+(:func:`block_ends`: ``block_bytes`` each at first, then growing geometrically) and named
+by chained hashes, as vLLM names its KV blocks: block ``j``'s hash is ``xxh64(block j,
+seed = hash of block j-1)``, the first seeded by the tenant and salt. A block's hash thus
+stands for the whole prefix up to its end, which is what the prefix index (:mod:`.index`)
+looks up to find the longest prefix an instance holds. The last block ends where the
+prefix does (so a short prompt has one). With ``block_bytes`` 0 the whole prefix is one
+block: the fixed-length key.
+
+The key (the ``x-prefix-key`` value Envoy's ring hashes with xxh64) is the last block's
+hash in hex. The request's prompt size, which the router weighs as prefill work, is
+estimated from the body: ``len(body) / BYTES_PER_TOKEN`` tokens.
+
+Cost: one orjson parse plus one pass over at most PrefixLength bytes of rendering (~20 us
+for a 64 KB chat body) and one xxh64 per block. Rendering stops at PrefixLength: a 12 MB
+base64 image in the first message costs what its first PrefixLength characters cost, not
+a copy of the image.
 """
 
 from __future__ import annotations
 
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
+from functools import lru_cache
 from typing import Any
 
 import orjson
 import xxhash
 
 from prefix_router.core.config import DEFAULT_OPENAI_MAX_PARSE_BYTES, PrefixMode
+
+BYTES_PER_TOKEN = 4
+"""Bytes of prompt text per token, to size a request's prefill work from its body (English
+text in Llama-3's tokenizer averages about 4; the simulator's tokenizer is exactly 4)."""
+DEFAULT_OUTPUT_TOKENS = 256
+"""Output tokens expected of a request that names no limit (they fill the KV cache too)."""
+MAX_OUTPUT_TOKENS = 8192
+"""A request's stated limit is counted up to this much."""
+MAX_PROMPT_TOKENS = 131_072
+"""A prompt is counted as at most this long (Llama 3.1's context): a larger body cannot
+be one prompt, and must not queue minutes of imagined prefill on an instance."""
 
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
 
@@ -70,12 +94,22 @@ class KeySettings:
     mode: PrefixMode
     max_parse_bytes: int = DEFAULT_OPENAI_MAX_PARSE_BYTES
     """``openai`` mode keys larger bodies on their raw bytes rather than parse them."""
+    block_bytes: int = 0
+    """Bytes per block of the prefix; 0: the whole prefix is one block (a fixed key)."""
 
 
 @dataclass(frozen=True, slots=True)
 class PrefixKey:
     value: str
-    """The ``x-prefix-key`` header value."""
+    """The ``x-prefix-key`` header value: the last block's hash in hex."""
+    blocks: tuple[int, ...] = ()
+    """Chained 64-bit hashes of the prefix's blocks, first to last (never empty)."""
+    ends: tuple[int, ...] = ()
+    """Byte offset in the prefix where each block ends."""
+    prompt_tokens: int = 1
+    """The whole prompt's size in tokens, estimated from the body."""
+    output_tokens: int = DEFAULT_OUTPUT_TOKENS
+    """Tokens the request may generate (its limit, or the default)."""
     fallback: Fallback | None = None
     """Set when ``openai`` mode fell back to ``bytes``."""
 
@@ -99,23 +133,94 @@ def extract_key(
     than its buffer: ``openai`` mode then keys on the raw bytes.
     """
     limit = settings.prefix_length
+    prompt_tokens = min(MAX_PROMPT_TOKENS, max(1, len(body) // BYTES_PER_TOKEN))
     if settings.mode is PrefixMode.OPENAI:
         try:
-            salt, prefix = _render_openai(
+            salt, prefix, output = _render_openai(
                 body, path=path, complete=complete, limit=limit, max_parse=settings.max_parse_bytes
             )
         except _Unrenderable as why:
-            return PrefixKey(_digest(tenant, "", body[:limit]), why.reason)
-        return PrefixKey(_digest(tenant, salt, prefix))
-    return PrefixKey(_digest(tenant, "", body[:limit]))
+            return _key(tenant, "", body[:limit], settings, prompt_tokens, why.reason)
+        return _key(tenant, salt, prefix, settings, prompt_tokens, None, output)
+    return _key(tenant, "", body[:limit], settings, prompt_tokens, None)
 
 
-def _digest(tenant: str, salt: str, prefix: bytes) -> str:
-    h = xxhash.xxh3_128()
-    if tenant or salt:
-        h.update(f"{tenant}{_FIELD}{salt}{_RECORD}".encode("utf-8", "surrogatepass"))
-    h.update(prefix)
-    return h.hexdigest()
+def _key(
+    tenant: str,
+    salt: str,
+    prefix: bytes,
+    settings: KeySettings,
+    prompt_tokens: int,
+    fallback: Fallback | None,
+    output_tokens: int = DEFAULT_OUTPUT_TOKENS,
+) -> PrefixKey:
+    ends = block_ends(len(prefix), settings.block_bytes)
+    blocks = chain_hashes(_seed(tenant, salt), prefix, ends)
+    return PrefixKey(
+        value=f"{blocks[-1]:016x}",
+        blocks=blocks,
+        ends=ends,
+        prompt_tokens=prompt_tokens,
+        output_tokens=output_tokens,
+        fallback=fallback,
+    )
+
+
+def _seed(tenant: str, salt: str) -> int:
+    if not tenant and not salt:
+        return 0
+    scope = f"{tenant}{_FIELD}{salt}{_RECORD}".encode("utf-8", "surrogatepass")
+    return xxhash.xxh64_intdigest(scope)
+
+
+def _scales(count: int) -> tuple[int, ...]:
+    out = [1, 2, 3]
+    while len(out) < count:
+        out.append(2 * out[-2])
+    return tuple(out)
+
+
+_SCALES = _scales(64)
+"""Block ends in units of ``block_bytes``: 1, 2, 3, 4, 6, 8, 12, 16, 24, 32, ..."""
+
+
+@lru_cache(maxsize=4096)
+def block_ends(length: int, block_bytes: int) -> tuple[int, ...]:
+    """Where the blocks of a ``length``-byte prefix end (the last one at ``length``).
+
+    The first four blocks are ``block_bytes`` long; after that each block ends 1.5 or
+    1.33 times as far as the one before, so an ``n``-byte prefix has about
+    ``2 log2(n / block_bytes)`` blocks and the index finds a long shared prefix to within
+    a third of its length, at the cost of a few more blocks than a short one.
+    ``block_bytes`` 0 is the fixed key: one block.
+    """
+    if block_bytes <= 0 or length <= block_bytes:
+        return (length,)
+    ends = [s * block_bytes for s in _SCALES if s * block_bytes < length]
+    return (*ends, length)
+
+
+def chain_hashes(seed: int, data: bytes, ends: Sequence[int]) -> tuple[int, ...]:
+    """Chained xxh64 of ``data`` cut at ``ends``: block ``j`` is hashed with block
+    ``j - 1``'s hash as its seed, so each hash names the whole prefix up to its end."""
+    view = memoryview(data)
+    out = []
+    h = seed
+    start = 0
+    digest = xxhash.xxh64_intdigest
+    for end in ends:
+        h = digest(view[start:end], h)
+        out.append(h)
+        start = end
+    return tuple(out)
+
+
+def _output_tokens(request: dict[str, Any]) -> int:
+    for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
+        value = request.get(name)
+        if isinstance(value, int) and not isinstance(value, bool) and value > 0:
+            return min(value, MAX_OUTPUT_TOKENS)
+    return DEFAULT_OUTPUT_TOKENS
 
 
 def _path_only(path: str) -> str:
@@ -124,8 +229,9 @@ def _path_only(path: str) -> str:
 
 def _render_openai(
     body: bytes, *, path: str, complete: bool, limit: int, max_parse: int
-) -> tuple[str, bytes]:
-    """``(cache_salt, first limit bytes of the canonical rendering)`` or :class:`_Unrenderable`.
+) -> tuple[str, bytes, int]:
+    """``(cache_salt, first limit bytes of the canonical rendering, output tokens)`` or
+    :class:`_Unrenderable`.
 
     Parts are rendered lazily and only until ``limit`` bytes exist: what lies past
     the prefix is never examined.
@@ -149,7 +255,8 @@ def _render_openai(
         salt = request.get("cache_salt") or ""
         if not isinstance(salt, str):
             raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
-        return salt, _first_bytes(_render_parts(request, route, limit), limit)
+        prefix = _first_bytes(_render_parts(request, route, limit), limit)
+        return salt, prefix, _output_tokens(request)
     except _Unrenderable:
         raise
     except (

@@ -1,44 +1,37 @@
-"""The routing table and the decision of one request.
+"""The routing table: everything one decision needs that changes only with the fleet or
+the config.
 
-A :class:`RoutingTable` is everything ext_proc needs to route, derived once per
-(fleet version, config version) and never mutated: the ring mirror over the
-routable instances, one steering token and one placement tag per instance, the
-key settings, the placement rule and the spill rule. ext_proc swaps the whole
-table when either version changes, so a request always sees one consistent
-version.
+A :class:`RoutingTable` is derived once per (fleet version, config version) and never
+mutated: the ring mirror over the routable instances, one steering token and one identity
+tag per instance, the key settings and the decision rule. ext_proc swaps the whole table
+when either version changes, so a request always sees one consistent version.
 
-:func:`lookup` lists the key's ring pick and its ring successors, with what
-placement needs to find the prefix's home; :func:`header_for` turns the chosen
-candidate into the ``x-prefix-key`` value Envoy hashes: the key itself for the
-ring's own pick (so Envoy alone would pick the same instance) or the chosen
-instance's steering token.
+:meth:`RoutingTable.ring_order` lists the key's ring pick and its ring successors (where a
+prefix nobody holds may start); :meth:`RoutingTable.header_for` turns the chosen instance
+into the ``x-prefix-key`` value Envoy hashes: the key itself when the ring picks that
+instance for it (so Envoy alone would agree), else the instance's steering token.
+
+Identity tags are 16 bits (:func:`~prefix_router.core.index.identity_tag`); two instances
+of a fleet whose tags collide (about 3% of 64-instance fleets) are told apart by rehashing
+the later one's ring key, in ring-key order, so the tags of a fleet are distinct and an
+instance keeps its tag while the others come and go.
 """
 
 from __future__ import annotations
 
 from dataclasses import dataclass
-from enum import StrEnum
 from itertools import islice
 
-from prefix_router.core.config import RouterConfig
-from prefix_router.core.fleet import Fleet
-from prefix_router.core.key import KeySettings
-from prefix_router.core.placement import Placement, PlacementRule, identity_tag, slot_of
+from prefix_router.core.config import PrefixMatch, RouterConfig
+from prefix_router.core.decision import Decision, DecisionRule, FleetView, block_bytes, decide
+from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.core.index import identity_tag
+from prefix_router.core.key import KeySettings, PrefixKey
 from prefix_router.core.ring import Ring, hash_key, ring_size_for
-from prefix_router.core.spill import SpillRule
+from prefix_router.core.work import InstanceModel
 
-MAX_CANDIDATES = 16
-"""Ring successors considered by spill; the least loaded of these takes it when all are full."""
-
-
-class Outcome(StrEnum):
-    """Why a request went where it went; the label of the decisions metric."""
-
-    HOME = "home"
-    SPILLED = "spilled"
-    RING_ONLY = "ring_only"
-    """Fleet-wide loads unavailable (Redis slow or down): the ring and this replica's counts."""
-    NO_INSTANCES = "no_instances"
+OVERFLOW_CANDIDATES = 16
+"""Ring successors a request may spread over when every usual candidate is overloaded."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -50,10 +43,12 @@ class RoutingTable:
     ids: tuple[str, ...]
     tokens: tuple[str, ...]
     tags: tuple[int, ...]
-    """Each host's placement identity tag (:func:`~prefix_router.core.placement.identity_tag`)."""
+    """Each instance's identity tag in the prefix index, distinct within the fleet."""
+    instance_of_tag: dict[int, int]
     key_settings: KeySettings
-    spill: SpillRule
-    placement: PlacementRule
+    rule: DecisionRule
+    default_model: InstanceModel
+    """What an instance is assumed to be until its metrics are learned."""
 
     @classmethod
     def build(cls, fleet: Fleet, config: RouterConfig, *, config_version: int = 0) -> RoutingTable:
@@ -61,6 +56,8 @@ class RoutingTable:
         ring = Ring.build(
             hosts, minimum_ring_size=ring_size_for(hosts, config.ring.entries_per_weight)
         )
+        tags = distinct_tags(hosts)
+        fixed = config.prefix_match is PrefixMatch.FIXED
         return cls(
             fleet_version=fleet.version,
             config_version=config_version,
@@ -68,36 +65,56 @@ class RoutingTable:
             ring=ring,
             ids=tuple(h.id for h in hosts),
             tokens=ring.steering_tokens(),
-            tags=tuple(identity_tag(h.ring_key) for h in hosts),
+            tags=tags,
+            instance_of_tag={tag: i for i, tag in enumerate(tags)},
             key_settings=KeySettings(
                 prefix_length=config.prefix_length,
                 mode=config.prefix_mode,
                 max_parse_bytes=config.openai_max_parse_bytes,
+                block_bytes=0 if fixed else block_bytes(config),
             ),
-            spill=SpillRule.from_config(config),
-            placement=PlacementRule.from_config(config),
+            rule=DecisionRule.from_config(config),
+            default_model=InstanceModel(
+                prefill_tokens_per_s=config.instance_defaults.prefill_tokens_per_s,
+                kv_cache_tokens=config.instance_defaults.kv_cache_tokens,
+            ),
         )
 
-    def lookup(self, key: str) -> tuple[list[int], Placement | None]:
-        """Host indexes (the ring's pick for the key, then its ring successors) and what
-        placement needs to find the prefix's home among them (None: the ring's pick)."""
-        ring_hash = hash_key(key)
-        limit = min(len(self.ids), MAX_CANDIDATES)
-        candidates = list(islice(self.ring.successors(ring_hash), limit))
-        if not self.placement.remembers:
-            return candidates, None
-        tags = [self.tags[c] for c in candidates]
-        return candidates, Placement(self.placement, slot_of(ring_hash), tags)
+    def ring_order(self, key: str, count: int = 0) -> list[int]:
+        """The key's first ``count`` (default ``placement.width``) instances in ring order:
+        the ring's pick, then its successors."""
+        n = count or self.rule.placement_width
+        return list(islice(self.ring.successors(hash_key(key)), n))
 
-    def header_for(self, key: str, candidates: list[int], chosen: int) -> str:
-        """The ``x-prefix-key`` value that makes Envoy pick ``candidates[chosen]``."""
-        return key if chosen == 0 else self.tokens[candidates[chosen]]
+    def decide(self, key: PrefixKey, view: FleetView) -> tuple[Decision, list[int]]:
+        """:func:`~prefix_router.core.decision.decide` with this table; also returns the
+        key's ring order (for :meth:`header_for`)."""
+        ring_order = self.ring_order(key.value)
+        decision = decide(
+            key,
+            ring_order,
+            view,
+            self.rule,
+            self.tags,
+            self.instance_of_tag,
+            lambda: self.ring_order(key.value, OVERFLOW_CANDIDATES),
+        )
+        return decision, ring_order
+
+    def header_for(self, key: str, ring_order: list[int], chosen: int) -> str:
+        """The ``x-prefix-key`` value that makes Envoy pick instance ``chosen``."""
+        return key if ring_order and ring_order[0] == chosen else self.tokens[chosen]
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
-    outcome: Outcome
-    instance_id: str | None
-    header_value: str | None
-    home_id: str | None
-    """The prefix's home: the ring's pick, or where placement started the prefix."""
+def distinct_tags(hosts: tuple[Instance, ...]) -> tuple[int, ...]:
+    """Each host's identity tag, rehashed where two collide (see the module doc)."""
+    taken: dict[int, str] = {}
+    by_key: dict[str, int] = {}
+    for host in sorted(hosts, key=lambda h: h.ring_key):
+        tag, salt = identity_tag(host.ring_key), 0
+        while tag in taken:
+            salt += 1
+            tag = identity_tag(f"{host.ring_key}#{salt}")
+        taken[tag] = host.ring_key
+        by_key[host.ring_key] = tag
+    return tuple(by_key[h.ring_key] for h in hosts)

@@ -1,0 +1,301 @@
+"""The routing decision of one request: every path that routes calls :func:`decide`.
+
+filter -> score -> pick, over a handful of candidates:
+
+candidates
+    The instances that hold part of the request's prefix (from the prefix index, deepest
+    first), then the first ``placement_width`` instances of the key's ring order (where a
+    prefix nobody holds may start). Each carries what it caches of the prompt and its
+    modelled prefill queue (:mod:`.work`). If the filter drops them all, the key's further
+    ring successors join (up to 16), so a hot prefix spreads over the whole fleet.
+filter
+    Drop overloaded instances: ConcurrencyThreshold or more requests waiting for their
+    first token, or more requests in flight than ``load_factor`` times the fleet's mean
+    (bounded-load consistent hashing: no instance takes far more than its share of the
+    requests, and a prefix hotter than one instance spreads over several). If that
+    drops every candidate, the in-flight bound is lifted, then the threshold.
+score
+    The request's expected wait for its first token there: the prefill queued before it
+    plus its own uncached prefill, ``backlog_s + (prompt - cached) / rate``. Cache and load
+    are weighed in one unit: a holder wins unless its queue is longer than what its cache
+    saves.
+pick
+    The lowest score; ties go to the earlier candidate (the deeper holder, or the ring's
+    order), so with no load the result is plain prefix affinity and consistent hashing.
+
+With ``spill: none`` the deepest holder always wins (and a new prefix still starts on the
+least loaded ring candidate): pure affinity, for comparison.
+
+The decision also says what to write: the chosen instance now holds the request's blocks
+(:func:`.index.record` per block) and has its prefill queued (:func:`.work.admit`). The
+stores apply those writes: in process, or in Redis for every ext_proc replica.
+
+Cost: O(blocks x ways) to read the index, O(candidates) to decide.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
+from enum import StrEnum
+from typing import Protocol
+
+from prefix_router.core.config import PrefixMatch, RouterConfig, SpillPolicyName
+from prefix_router.core.index import (
+    CacheModel,
+    EntryWrite,
+    ModelOf,
+    apply,
+    match,
+    record,
+)
+from prefix_router.core.key import BYTES_PER_TOKEN, PrefixKey
+from prefix_router.core.work import InstanceModel, InstanceWork
+
+
+class Outcome(StrEnum):
+    """Why a request went where it went; the label of the decisions metric."""
+
+    HOME = "home"
+    """To an instance holding the longest prefix of the request the fleet holds."""
+    PLACED = "placed"
+    """Nobody holds its prefix: the least loaded of its ring candidates."""
+    SPILLED = "spilled"
+    """Away from the prefix's holders: their queues outweighed their cache."""
+    RING_ONLY = "ring_only"
+    """Fleet-wide state unavailable (Redis slow or down): decided on this replica's own."""
+    NO_INSTANCES = "no_instances"
+
+
+@dataclass(frozen=True, slots=True)
+class DecisionRule:
+    """The settings one decision needs; built once per config."""
+
+    policy: SpillPolicyName
+    threshold: int
+    """ConcurrencyThreshold: requests waiting for their first token that make an instance
+    overloaded."""
+    load_factor: float
+    """No instance above this times the fleet's mean in-flight requests (plus one)."""
+    placement_width: int
+    """Ring candidates a prefix nobody holds may start on."""
+    slots_log2: int
+
+    @classmethod
+    def from_config(cls, config: RouterConfig) -> DecisionRule:
+        return cls(
+            policy=config.spill.policy,
+            threshold=config.concurrency_threshold,
+            load_factor=config.spill.load_factor,
+            placement_width=config.placement.width,
+            slots_log2=config.index.slots_log2,
+        )
+
+
+def block_bytes(config: RouterConfig) -> int:
+    """Bytes per index block: the whole prefix for a fixed key."""
+    if config.prefix_match is PrefixMatch.FIXED:
+        return config.prefix_length
+    return config.index.block_bytes
+
+
+class FleetView(Protocol):
+    """What a decision reads of the fleet's shared state, as of ``now``."""
+
+    now: float
+
+    def slot(self, slot: int) -> bytes:
+        """One slot of the prefix index."""
+        ...
+
+    def work(self, instance: int) -> InstanceWork:
+        """Instance ``instance``'s modelled queue (index into the table's instances)."""
+        ...
+
+    def model(self, instance: int) -> InstanceModel: ...
+
+    def in_flight(self, instance: int) -> int:
+        """Requests routed to the instance and not finished."""
+        ...
+
+    def total_in_flight(self) -> int:
+        """Requests in flight on the whole fleet."""
+        ...
+
+    def cache_model(self, tag: int) -> CacheModel | None:
+        """The cache model of the instance with identity tag ``tag`` (None: not in the fleet)."""
+        ...
+
+
+@dataclass(frozen=True, slots=True)
+class Candidate:
+    instance: int
+    cached_tokens: int
+    backlog_s: float
+    waiting: int
+    in_flight: int
+    rate: float
+
+    def expected_wait_s(self, prompt_tokens: int) -> float:
+        """Seconds until the request's first token here: queued prefill, then its own."""
+        return self.backlog_s + max(0, prompt_tokens - self.cached_tokens) / self.rate
+
+
+@dataclass(frozen=True, slots=True)
+class Decision:
+    """Where one request goes, why, and what routing it there changes."""
+
+    outcome: Outcome
+    instance: int
+    """Index into the table's instances."""
+    home: int | None
+    """The instance holding the longest prefix (None: nobody holds more than the common
+    part), where the request would go without load."""
+    cached_tokens: int
+    """Tokens of the prompt the chosen instance is expected to have cached."""
+    prefill_tokens: int
+    written_tokens: int
+    index_writes: tuple[EntryWrite, ...]
+
+
+def in_flight_bound(rule: DecisionRule, total_in_flight: int, fleet_size: int) -> float:
+    """In-flight requests at or above which an instance takes no more (while others can):
+    ``load_factor`` times the fleet's mean plus one. The one keeps a lightly loaded fleet
+    from scattering a prefix's concurrent requests (with a mean of 0.25, a bound of
+    ``1.25 x mean`` would turn away an instance's second request); under load the bound
+    is the mean's ``load_factor`` times, as in bounded-load consistent hashing."""
+    return rule.load_factor * (total_in_flight / max(1, fleet_size) + 1)
+
+
+def choose(
+    candidates: Sequence[Candidate], prompt_tokens: int, rule: DecisionRule, bound: float
+) -> int:
+    """Position in ``candidates`` of the one that takes the request (see module doc);
+    ``bound`` is :func:`in_flight_bound`."""
+    if rule.policy is SpillPolicyName.NONE:
+        if candidates[0].cached_tokens > 0:
+            return 0
+        return min(range(len(candidates)), key=lambda i: candidates[i].backlog_s)
+    best, best_key, best_rank = 0, (0.0, 0), 3
+    for i, c in enumerate(candidates):
+        # rank 0: allowed; 1: over the in-flight bound; 2: over the threshold too
+        rank = 0 if c.in_flight < bound else 1
+        if c.waiting >= rule.threshold:
+            rank = 2
+        key = (c.backlog_s + max(0, prompt_tokens - c.cached_tokens) / c.rate, c.in_flight)
+        if rank < best_rank or (rank == best_rank and key < best_key):
+            best, best_key, best_rank = i, key, rank
+    return best
+
+
+def decide(
+    key: PrefixKey,
+    ring_order: Sequence[int],
+    view: FleetView,
+    rule: DecisionRule,
+    tag_of: Sequence[int],
+    instance_of: Mapping[int, int],
+    overflow: Callable[[], Sequence[int]] = tuple,
+) -> Decision:
+    """Route one request (see the module doc). ``ring_order`` is the key's first ring
+    instances (non-empty) and ``overflow`` lists more of them, asked for only when every
+    candidate is overloaded; ``tag_of[i]`` is instance ``i``'s identity tag and
+    ``instance_of`` the reverse."""
+    now = view.now
+    ends = key.ends
+    shift = 64 - rule.slots_log2
+    located = [(block >> shift, block & 0xFFFF) for block in key.blocks]  # index.locate
+    slots = [view.slot(slot) for slot, _ in located]
+    models: dict[int, CacheModel | None] = {}
+
+    def model_of(tag: int) -> CacheModel | None:
+        try:
+            return models[tag]
+        except KeyError:
+            model = models[tag] = view.cache_model(tag)
+            return model
+
+    held = match(slots, [fp for _, fp in located], model_of)
+    cap = key.prompt_tokens - 1
+    common = min(ends[held.common - 1] // BYTES_PER_TOKEN, cap) if held.common else 0
+    cached: dict[int, int] = {}
+    for tag, depth in sorted(held.depths.items(), key=lambda h: -h[1]):
+        instance = instance_of.get(tag)
+        if instance is not None:
+            cached[instance] = max(0, min(ends[depth - 1] // BYTES_PER_TOKEN, cap))
+    deepest, home = next(iter(cached.values()), 0), next(iter(cached), None)
+    for i in ring_order:
+        cached.setdefault(i, max(0, common))
+
+    def candidate(i: int, tokens: int) -> Candidate:
+        work = view.work(i)
+        return Candidate(
+            i,
+            tokens,
+            work.backlog_s(now),
+            work.waiting(now),
+            view.in_flight(i),
+            view.model(i).prefill_tokens_per_s,
+        )
+
+    candidates = [candidate(i, tokens) for i, tokens in cached.items()]
+    bound = in_flight_bound(rule, view.total_in_flight(), len(tag_of))
+    if rule.policy is not SpillPolicyName.NONE and not any(
+        c.in_flight < bound and c.waiting < rule.threshold for c in candidates
+    ):
+        for i in overflow():
+            if i not in cached:
+                cached[i] = max(0, common)
+                candidates.append(candidate(i, cached[i]))
+    chosen = candidates[choose(candidates, key.prompt_tokens, rule, bound)]
+    if deepest <= common:
+        outcome = Outcome.PLACED
+    elif chosen.cached_tokens >= deepest:
+        outcome = Outcome.HOME
+    else:
+        outcome = Outcome.SPILLED
+    prefill = max(1, key.prompt_tokens - chosen.cached_tokens)
+    return Decision(
+        outcome=outcome,
+        instance=chosen.instance,
+        home=home if deepest > common else None,
+        cached_tokens=chosen.cached_tokens,
+        prefill_tokens=prefill,
+        written_tokens=prefill + key.output_tokens,
+        index_writes=_record_blocks(located, slots, tag_of[chosen.instance], model_of),
+    )
+
+
+def _record_blocks(
+    located: Sequence[tuple[int, int]],
+    slots: Sequence[bytes],
+    tag: int,
+    model_of: ModelOf,
+) -> tuple[EntryWrite, ...]:
+    """The index writes that record ``tag`` as holding every block of the request."""
+    model = model_of(tag)
+    if model is None:
+        return ()
+    writes: list[EntryWrite] = []
+    latest: dict[int, bytes] = {}
+    last = len(located) - 1
+    for j, (slot, fp) in enumerate(located):
+        current = latest.get(slot, slots[j])
+        write = record(slot, current, fp, tag, model, model_of, force=j == last)
+        if write is not None:
+            writes.append(write)
+            latest[slot] = apply(current, write)
+    return tuple(writes)
+
+
+__all__ = [
+    "BYTES_PER_TOKEN",
+    "Candidate",
+    "Decision",
+    "DecisionRule",
+    "FleetView",
+    "Outcome",
+    "choose",
+    "decide",
+    "in_flight_bound",
+]

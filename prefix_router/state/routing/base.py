@@ -1,0 +1,42 @@
+"""The contract of a routing store."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol
+
+from prefix_router.core.decision import Decision
+from prefix_router.core.key import PrefixKey
+from prefix_router.core.table import RoutingTable
+
+
+class StateUnavailable(Exception):
+    """The store could not answer in time; the caller decides on its own state."""
+
+
+@dataclass(frozen=True, slots=True)
+class Routed:
+    """A routed request: the decision and the instance whose in-flight count it holds."""
+
+    decision: Decision
+    instance_id: str
+    ring_order: list[int]
+    """The key's first ring instances (what :meth:`RoutingTable.header_for` needs)."""
+
+
+class RoutingStore(Protocol):
+    async def route(self, key: PrefixKey, table: RoutingTable, request_id: str = "") -> Routed:
+        """Decide where the request goes (:func:`prefix_router.core.decision.decide` on
+        the fleet's state), record it (index, prefill queue) and count it in flight."""
+        ...
+
+    def release(self, instance_id: str) -> None:
+        """Count one request on ``instance_id`` as ended. Never blocks: stores that
+        talk to a server flush releases in the background."""
+        ...
+
+    async def in_flight(self) -> dict[str, int]:
+        """Fleet-wide in-flight count per instance (instances with 0 may be absent)."""
+        ...
+
+    async def close(self) -> None: ...

@@ -1,0 +1,384 @@
+"""The routing state in Redis, shared by every ext_proc replica.
+
+Layout (``ns`` is the namespace, e.g. ``prefix-router:``):
+
+``{ns}inflight``            hash    instance id -> fleet-wide in-flight count
+``{ns}inflight:{replica}``  hash    instance id -> this replica's share of it
+``{ns}replicas``            set     replicas that may hold counts
+``{ns}alive:{replica}``     key     heartbeat, expires ``HEARTBEAT_TTL_S`` after the last beat
+``{ns}decisions``           hash    outcome (home, placed, spilled) -> decisions counted here
+``{ns}spills``              list    the last 100 spills, newest first, as JSON
+                                    ``{time, home, to, request_id}``
+``{ns}index:{slots_log2}``  string  the prefix index (:mod:`prefix_router.core.index`):
+                                    ``32 x 2**slots_log2`` bytes at most (8 MiB at 18)
+``{ns}work``                hash    ``{id}:busy`` and ``{id}:written`` of each instance's
+                                    prefill queue (:mod:`prefix_router.core.work`)
+``{ns}ends:{id}``           list    an instance's prefill ends still ahead (256 at most)
+``{ns}models``              hash    instance id -> ``rate capacity`` learned by the control plane
+
+One background task sends everything as one script call per round trip (:mod:`.redis_lua`):
+the writes of the requests routed since the last one, then the reads the waiting requests'
+decisions need (each instance's queue and counts, the index slots of their blocks). The
+requests are then decided in order in Python, each seeing the ones before it, and their
+writes ride on the next round trip (sent at once, whether or not a request waits). So a
+request waits for one round trip, however many share it.
+
+Replicas see each other's decisions one round trip late, so two may both send a request
+to an instance that one alone would have considered full: the bounds are soft by that
+much. The writes themselves are atomic: a prefill is queued after whatever is queued when
+it lands, and an index entry changes only if it still holds what the decision read.
+
+Counts heal themselves as before: a replica that dies stops beating, and any replica's
+janitor (or the control plane's) subtracts the dead replica's share from the fleet-wide
+counts within a few seconds. When a round trip fails outright, the replica rewrites its
+share from its own exact local counts before its next batch, in the flusher, so no
+release can overtake the rewrite on another connection.
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+import uuid
+from collections import Counter
+from dataclasses import dataclass
+
+import redis.asyncio as aioredis
+from redis.exceptions import RedisError
+
+from prefix_router.core.decision import Decision, Outcome
+from prefix_router.core.index import (
+    ENTRY_BYTES,
+    SLOT_BYTES,
+    CacheModel,
+    apply,
+    locate,
+)
+from prefix_router.core.key import PrefixKey
+from prefix_router.core.table import RoutingTable
+from prefix_router.core.work import InstanceModel, InstanceWork, admit
+from prefix_router.state.routing.base import Routed, StateUnavailable
+from prefix_router.state.routing.redis_lua import REAP, REWRITE_SHARE, SYNC, SyncArgs
+
+log = logging.getLogger("prefix_router.state.routing")
+
+HEARTBEAT_S = 1.0
+HEARTBEAT_TTL_S = 3.0
+
+
+@dataclass(slots=True)
+class _Waiting:
+    key: PrefixKey
+    table: RoutingTable
+    request_id: str
+    future: asyncio.Future[Routed]
+
+
+class RedisStore:
+    """The fleet's routing state in Redis; one replica's view of it.
+
+    Create with :meth:`connect`, which registers the replica and starts its heartbeat,
+    janitor and flusher; :meth:`close` gives back every count this replica still holds.
+    """
+
+    def __init__(
+        self,
+        client: aioredis.Redis,
+        *,
+        namespace: str = "prefix-router:",
+        replica: str | None = None,
+        round_trip_timeout_s: float = 0.05,
+    ) -> None:
+        self.redis = client
+        self.round_trip_timeout_s = round_trip_timeout_s
+        self.namespace = namespace
+        self.replica = replica or uuid.uuid4().hex[:12]
+        self.fleet_key = f"{namespace}inflight"
+        self.share_key = f"{namespace}inflight:{self.replica}"
+        self.replicas_key = f"{namespace}replicas"
+        self.alive_key = f"{namespace}alive:{self.replica}"
+        self._sync = client.register_script(SYNC)
+        self._rewrite = client.register_script(REWRITE_SHARE)
+        self._reap = client.register_script(REAP)
+        self._local: Counter[str] = Counter()
+        """This replica's exact counts: what its share in Redis should be."""
+        self._next = SyncArgs()
+        """Writes for the next round trip."""
+        self._waiting: list[_Waiting] = []
+        self._wake = asyncio.Event()
+        self._closing = False
+        self._in_doubt = False
+        self._tasks: list[asyncio.Task[None]] = []
+        self._last_keys: list[str] = []
+        """KEYS of the last table's round trip, for one that carries only writes."""
+
+    @classmethod
+    async def connect(
+        cls,
+        url: str,
+        *,
+        namespace: str = "prefix-router:",
+        timeout_s: float = 0.05,
+        replica: str | None = None,
+    ) -> RedisStore:
+        """A store on ``url``; works (degraded) even if Redis is down right now."""
+        client = aioredis.Redis.from_url(
+            url,
+            socket_timeout=max(timeout_s, 0.5),
+            socket_connect_timeout=max(timeout_s, 0.2),
+            max_connections=256,
+            health_check_interval=0,
+        )
+        store = cls(client, namespace=namespace, replica=replica, round_trip_timeout_s=timeout_s)
+        # Load the script now, so the first requests' round trip is not three.
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            async with asyncio.timeout(max(timeout_s, 0.5)):
+                await client.script_load(SYNC)
+        store.start()
+        return store
+
+    def start(self) -> None:
+        self._tasks = [
+            asyncio.create_task(self._flush(), name="routing-state-flusher"),
+            asyncio.create_task(self._heartbeat(), name="routing-state-heartbeat"),
+        ]
+
+    def keys_for(self, table: RoutingTable) -> list[str]:
+        ns = self.namespace
+        return [
+            self.fleet_key,
+            self.share_key,
+            f"{ns}decisions",
+            f"{ns}spills",
+            f"{ns}index:{table.rule.slots_log2}",
+            f"{ns}work",
+            f"{ns}models",
+        ]
+
+    async def route(self, key: PrefixKey, table: RoutingTable, request_id: str = "") -> Routed:
+        if not self._tasks or self._tasks[0].done():
+            raise StateUnavailable("the routing store is not running")
+        future: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
+        self._waiting.append(_Waiting(key, table, request_id, future))
+        self._wake.set()
+        return await future
+
+    def release(self, instance_id: str) -> None:
+        if self._local[instance_id] > 0:
+            self._local[instance_id] -= 1
+            self._next.releases.append(instance_id)
+            self._wake.set()
+
+    async def in_flight(self) -> dict[str, int]:
+        raw = await self.redis.hgetall(self.fleet_key)
+        return {_text(k): int(v) for k, v in raw.items() if int(v) > 0}
+
+    async def _flush(self) -> None:
+        """Send the pending writes and the waiting requests' reads as one script call,
+        decide the waiting requests, repeat (see the module docstring)."""
+        while not self._closing:
+            await self._wake.wait()
+            self._wake.clear()
+            waiting, self._waiting = self._waiting, []
+            args, self._next = self._next, SyncArgs()
+            if not waiting and not args and not self._in_doubt:
+                continue
+            table = waiting[-1].table if waiting else None
+            if table is not None:
+                args.instances = table.ids
+                args.slots = sorted(
+                    {locate(b, table.rule.slots_log2)[0] for w in waiting for b in w.key.blocks}
+                )
+            try:
+                async with asyncio.timeout(self.round_trip_timeout_s):
+                    if self._in_doubt:
+                        await self._rewrite_share()
+                        self._in_doubt = False
+                        args.reserves, args.releases = [], []  # the rewrite carries them
+                    reply = None
+                    if table is not None:
+                        self._last_keys = self.keys_for(table)
+                    if args and self._last_keys:
+                        keys = self._last_keys
+                        packed = args.pack(f"{self.namespace}ends:", ENTRY_BYTES, SLOT_BYTES)
+                        reply = await self._sync(keys=keys, args=packed)
+            except Exception as exc:  # noqa: BLE001 - the flusher must outlive any failure
+                if not isinstance(exc, RedisError | OSError | TimeoutError):
+                    log.warning("routing store round trip failed unexpectedly: %r", exc)
+                self._in_doubt = True  # unknown whether the writes landed: rewrite the share
+                for w in waiting:
+                    if not w.future.done():
+                        w.future.set_exception(StateUnavailable(repr(exc)))
+                continue
+            if table is not None and reply is not None:
+                self._decide(waiting, table, args, reply)
+            if self._next:
+                self._wake.set()
+
+    def _decide(
+        self, waiting: list[_Waiting], table: RoutingTable, args: SyncArgs, reply: list[bytes]
+    ) -> None:
+        view = _BatchView(table, args, reply)
+        for w in waiting:
+            if w.future.done():  # the caller gave up waiting and routed on its own
+                continue
+            if w.table is not table:  # swapped mid-batch: decide it next round trip
+                self._waiting.append(w)
+                self._wake.set()
+                continue
+            decision, ring_order = table.decide(w.key, view)
+            chosen = table.ids[decision.instance]
+            rate = view.model(decision.instance).prefill_tokens_per_s
+            view.record(decision, rate)
+            self._next.writes += decision.index_writes
+            home = "" if decision.home is None else table.ids[decision.home]
+            self._next.admits.append(
+                (
+                    chosen,
+                    float(decision.prefill_tokens),
+                    float(decision.written_tokens),
+                    rate,
+                    decision.outcome.value,
+                    home,
+                    w.request_id,
+                )
+            )
+            self._next.reserves.append(chosen)
+            self._local[chosen] += 1
+            w.future.set_result(Routed(decision, chosen, ring_order))
+
+    async def _heartbeat(self) -> None:
+        while not self._closing:
+            try:
+                await self.beat()
+            except RedisError as exc:
+                log.debug("heartbeat failed: %r", exc)
+            await asyncio.sleep(HEARTBEAT_S)
+
+    async def beat(self) -> None:
+        """Refresh this replica's heartbeat, reap dead replicas; wake the flusher to
+        repair a doubtful share on a replica that has no traffic."""
+        async with self.redis.pipeline(transaction=False) as pipe:
+            pipe.set(self.alive_key, b"1", px=int(HEARTBEAT_TTL_S * 1000))
+            pipe.sadd(self.replicas_key, self.replica)
+            await pipe.execute()
+        await self._reap(keys=[self.fleet_key, self.replicas_key], args=[self.namespace])
+        if self._in_doubt:
+            self._wake.set()
+
+    async def _rewrite_share(self) -> None:
+        args: list[str | int] = []
+        for instance_id, count in self._local.items():
+            if count > 0:
+                args += [instance_id, count]
+        await self._rewrite(keys=[self.fleet_key, self.share_key], args=args)
+
+    async def stop_tasks(self) -> None:
+        """Stop the flusher and the heartbeat, and wait (boundedly) until they have.
+
+        The loops also check a flag: a cancellation swallowed inside a Redis call
+        must not leave a heartbeat running forever.
+        """
+        self._closing = True
+        self._wake.set()
+        for task in self._tasks:
+            task.cancel()
+        if self._tasks:
+            await asyncio.wait(self._tasks, timeout=2 * HEARTBEAT_S)
+
+    async def close(self) -> None:
+        """Stop the background tasks and give back every count this replica holds."""
+        await self.stop_tasks()
+        self._local.clear()
+        self._next = SyncArgs()
+        with contextlib.suppress(RedisError, OSError):
+            await self._rewrite(keys=[self.fleet_key, self.share_key], args=[])
+            await self.redis.srem(self.replicas_key, self.replica)
+            await self.redis.delete(self.alive_key)
+        await self.redis.aclose()
+
+
+class _BatchView:
+    """What one round trip read, as the batch's decisions see it: each decision's writes
+    are applied here too, so the next request of the batch sees them."""
+
+    __slots__ = ("now", "_table", "_slots", "_work", "_in_flight", "_models", "_total")
+
+    def __init__(self, table: RoutingTable, args: SyncArgs, reply: list[bytes]) -> None:
+        self.now = float(reply[0])
+        self._table = table
+        self._work: list[InstanceWork] = []
+        self._in_flight: list[int] = []
+        self._models: list[InstanceModel] = []
+        pos = 1
+        for _ in args.instances:
+            busy, written, in_flight, model, ends = reply[pos : pos + 5]
+            pos += 5
+            self._work.append(
+                InstanceWork(
+                    busy_until=float(busy),
+                    ends=tuple(float(e) for e in ends.split()),
+                    written_tokens=float(written),
+                )
+            )
+            self._in_flight.append(max(0, int(in_flight)))
+            self._models.append(_model(model, table.default_model))
+        self._total = sum(self._in_flight)
+        self._slots = dict(zip(args.slots, reply[pos:], strict=True))
+
+    def slot(self, slot: int) -> bytes:
+        return self._slots[slot]
+
+    def work(self, instance: int) -> InstanceWork:
+        return self._work[instance]
+
+    def model(self, instance: int) -> InstanceModel:
+        return self._models[instance]
+
+    def in_flight(self, instance: int) -> int:
+        return self._in_flight[instance]
+
+    def total_in_flight(self) -> int:
+        return self._total
+
+    def cache_model(self, tag: int) -> CacheModel | None:
+        instance = self._table.instance_of_tag.get(tag)
+        if instance is None:
+            return None
+        return CacheModel.of(
+            self._work[instance].written_tokens, self._models[instance].kv_cache_tokens
+        )
+
+    def record(self, decision: Decision, rate: float) -> None:
+        for write in decision.index_writes:
+            self._slots[write.slot] = apply(self._slots[write.slot], write)
+        i = decision.instance
+        self._work[i] = admit(
+            self._work[i],
+            self.now,
+            prefill_tokens=decision.prefill_tokens,
+            written_tokens=decision.written_tokens,
+            rate=rate,
+        )
+        self._in_flight[i] += 1
+        self._total += 1
+
+
+def _model(raw: bytes, default: InstanceModel) -> InstanceModel:
+    """A learned ``rate capacity`` pair (0: not learned), the default for what is not."""
+    try:
+        rate, capacity = (float(x) for x in raw.split())
+    except ValueError:
+        return default
+    return InstanceModel(
+        prefill_tokens_per_s=rate if rate > 0 else default.prefill_tokens_per_s,
+        kv_cache_tokens=capacity if capacity > 0 else default.kv_cache_tokens,
+    )
+
+
+def _text(value: bytes | str) -> str:
+    return value.decode() if isinstance(value, bytes) else value
+
+
+__all__ = ["HEARTBEAT_S", "HEARTBEAT_TTL_S", "Outcome", "RedisStore"]

@@ -1,0 +1,208 @@
+"""The one decision function: table tests of choose(), and decide() over a small fleet."""
+
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import pytest
+
+from prefix_router.core.config import PrefixMode, RouterConfig, SpillPolicyName
+from prefix_router.core.decision import (
+    Candidate,
+    Decision,
+    DecisionRule,
+    Outcome,
+    choose,
+    in_flight_bound,
+)
+from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.core.index import CacheModel, InProcessIndex
+from prefix_router.core.key import KeySettings, PrefixKey, extract_key
+from prefix_router.core.table import RoutingTable
+from prefix_router.core.work import InstanceModel, InstanceWork, admit
+
+RULE = DecisionRule(
+    policy=SpillPolicyName.LEAST_WORK,
+    threshold=4,
+    load_factor=1.25,
+    placement_width=4,
+    slots_log2=12,
+)
+NO_SPILL = DecisionRule(
+    policy=SpillPolicyName.NONE, threshold=4, load_factor=1.25, placement_width=4, slots_log2=12
+)
+
+
+def c(cached: int = 0, backlog: float = 0.0, waiting: int = 0, in_flight: int = 0) -> Candidate:
+    return Candidate(0, cached, backlog, waiting, in_flight, rate=1000.0)
+
+
+@pytest.mark.parametrize(
+    ("rule", "candidates", "bound", "expected"),
+    [
+        # the holder wins while its queue is shorter than what its cache saves
+        (RULE, [c(cached=900, backlog=0.5), c()], 9, 0),
+        # ... and loses once the queue is longer: 1.0 + 0.1 > 0 + 1.0
+        (RULE, [c(cached=900, backlog=1.0), c()], 9, 1),
+        # ties go to the earlier candidate, then to fewer in flight
+        (RULE, [c(), c()], 9, 0),
+        (RULE, [c(in_flight=2), c(in_flight=1)], 9, 1),
+        # ConcurrencyThreshold: 4 waiting is overloaded, whatever its cache
+        (RULE, [c(cached=999, waiting=4), c(backlog=0.5)], 9, 1),
+        # the in-flight bound keeps a holder from taking more than its share
+        (RULE, [c(cached=999, in_flight=3), c(in_flight=1)], 3, 1),
+        # over the bound beats over the threshold; all overloaded: the shortest wait
+        (RULE, [c(waiting=4), c(in_flight=5, backlog=2.0)], 3, 1),
+        (RULE, [c(waiting=5, backlog=2.0), c(waiting=4, backlog=1.0)], 3, 1),
+        # no spill: the deepest holder, whatever its queue; a new prefix: the least backlog
+        (NO_SPILL, [c(cached=100, backlog=9.0, waiting=9), c()], 1, 0),
+        (NO_SPILL, [c(backlog=0.2), c(backlog=0.1)], 1, 1),
+    ],
+)
+def test_choose(
+    rule: DecisionRule, candidates: list[Candidate], bound: float, expected: int
+) -> None:
+    assert choose(candidates, 1000, rule, bound) == expected
+
+
+def test_the_in_flight_bound_follows_the_fleet_mean() -> None:
+    assert in_flight_bound(RULE, 0, 4) == pytest.approx(1.25)
+    assert in_flight_bound(RULE, 40, 8) == pytest.approx(1.25 * 6)
+
+
+# -- decide() over a fleet ---------------------------------------------------------------------
+
+FLEET = Fleet.of([Instance("10.0.0.1", 8000 + i) for i in range(4)])
+CONFIG = RouterConfig().patched(
+    {"prefix_mode": "bytes", "index": {"slots_log2": 12}, "concurrency_threshold": 4}
+)
+TABLE = RoutingTable.build(FLEET, CONFIG)
+MODEL = InstanceModel(prefill_tokens_per_s=1000.0, kv_cache_tokens=100_000)
+
+
+@dataclass
+class Fleetwide:
+    """A FleetView over plain dicts, applying each decision as a store would."""
+
+    table: RoutingTable = TABLE
+    now: float = 0.0
+    index: InProcessIndex = field(default_factory=lambda: InProcessIndex(12))
+    works: dict[int, InstanceWork] = field(default_factory=dict)
+    flights: dict[int, int] = field(default_factory=dict)
+    capacity: float = 100_000
+
+    def slot(self, slot: int) -> bytes:
+        return self.index.read(slot)
+
+    def work(self, instance: int) -> InstanceWork:
+        return self.works.get(instance, InstanceWork())
+
+    def model(self, instance: int) -> InstanceModel:
+        return InstanceModel(MODEL.prefill_tokens_per_s, self.capacity)
+
+    def in_flight(self, instance: int) -> int:
+        return self.flights.get(instance, 0)
+
+    def total_in_flight(self) -> int:
+        return sum(self.flights.values())
+
+    def cache_model(self, tag: int) -> CacheModel | None:
+        i = self.table.instance_of_tag.get(tag)
+        return None if i is None else CacheModel.of(self.work(i).written_tokens, self.capacity)
+
+    def route(self, body: bytes, *, hold: bool = False) -> Decision:
+        d, _ = self.table.decide(self.key(body), self)
+        for write in d.index_writes:
+            self.index.write(write)
+        self.works[d.instance] = admit(
+            self.work(d.instance),
+            self.now,
+            prefill_tokens=d.prefill_tokens,
+            written_tokens=d.written_tokens,
+            rate=MODEL.prefill_tokens_per_s,
+        )
+        if hold:
+            self.flights[d.instance] = self.in_flight(d.instance) + 1
+        return d
+
+    def key(self, body: bytes) -> PrefixKey:
+        return extract_key(body, settings=self.table.key_settings, path="/x")
+
+
+def text(name: str, size: int) -> bytes:
+    return (name.encode() * size)[:size]
+
+
+def test_a_new_prefix_is_placed_on_an_idle_ring_candidate_then_found_there() -> None:
+    fleet = Fleetwide()
+    first = fleet.route(text("doc-a", 4000))
+    assert first.outcome is Outcome.PLACED
+    assert first.instance == fleet.table.ring_order(fleet.key(text("doc-a", 4000)).value)[0]
+    fleet.now = 100.0  # the queue has drained
+    again = fleet.route(text("doc-a", 4000) + b"question two")
+    assert again.outcome is Outcome.HOME and again.instance == first.instance
+    assert again.cached_tokens == 3072 // 4  # the deepest block end inside the shared 4000 B
+    assert again.prefill_tokens == again.written_tokens - 256 == (4012 // 4) - 768
+
+
+def test_a_growing_conversation_follows_its_earlier_turns() -> None:
+    fleet = Fleetwide()
+    turn = text("conversation", 1500)
+    where = fleet.route(turn).instance
+    for n in range(5):
+        fleet.now += 10
+        turn += text(f"answer and question {n}", 700)
+        d = fleet.route(turn)
+        assert (d.outcome, d.instance) == (Outcome.HOME, where)
+
+
+def test_a_busy_holder_loses_to_an_idle_instance_when_its_queue_outweighs_its_cache() -> None:
+    fleet = Fleetwide()
+    home = fleet.route(text("hot", 8000)).instance
+    fleet.now = 100.0
+    fleet.works[home] = InstanceWork(busy_until=fleet.now + 30.0, ends=(fleet.now + 30.0,))
+    d = fleet.route(text("hot", 8000) + b"?")
+    assert d.outcome is Outcome.SPILLED and d.instance != home
+    assert d.cached_tokens == 0 and d.prefill_tokens == 8001 // 4
+
+
+def test_an_instance_that_wrote_more_than_its_cache_holds_has_forgotten() -> None:
+    fleet = Fleetwide(capacity=10_000)
+    home = fleet.route(text("old", 4000)).instance
+    fleet.now = 100.0
+    w = fleet.work(home)
+    fleet.works[home] = InstanceWork(w.busy_until, w.ends, w.written_tokens + 10_000)
+    assert fleet.route(text("old", 4000) + b"?").outcome is Outcome.PLACED
+
+
+def test_a_departed_instance_holds_nothing() -> None:
+    fleet = Fleetwide()
+    home = fleet.route(text("doc-b", 4000)).instance
+    smaller = Fleet.of([i for n, i in enumerate(FLEET.instances) if n != home], version=2)
+    fleet.table = RoutingTable.build(smaller, CONFIG)
+    fleet.now = 100.0
+    d = fleet.route(text("doc-b", 4000) + b"?")
+    assert d.outcome is Outcome.PLACED
+
+
+def test_a_prefix_every_way_holds_counts_as_cached_everywhere() -> None:
+    fleet = Fleetwide()
+    system = text("shared system prompt", 3000)
+    placed = [fleet.route(system + text(f"user {n}", 600), hold=True) for n in range(12)]
+    assert len({d.instance for d in placed}) == 4  # spread by the in-flight bound
+    fleet.flights.clear()
+    fleet.now = 100.0
+    d = fleet.route(system + b"a new conversation")
+    assert d.outcome is Outcome.PLACED and d.cached_tokens == 2048 // 4
+
+
+def test_fixed_mode_keys_only_the_first_prefix_length_bytes() -> None:
+    config = CONFIG.patched({"prefix_match": "fixed", "prefix_length": 1024})
+    fleet = Fleetwide(table=RoutingTable.build(FLEET, config))
+    assert fleet.table.key_settings == KeySettings(
+        prefix_length=1024, mode=PrefixMode.BYTES, max_parse_bytes=4 * 1024 * 1024, block_bytes=0
+    )
+    first = fleet.route(text("same head", 1024) + b"one")
+    fleet.now = 100.0
+    second = fleet.route(text("same head", 1024) + b"two, different")
+    assert second.instance == first.instance and second.cached_tokens == 256

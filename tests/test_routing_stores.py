@@ -1,0 +1,245 @@
+"""One decision function, two stores: in process, and shared through a real Redis."""
+
+from __future__ import annotations
+
+import asyncio
+import json
+import random
+from collections.abc import AsyncIterator, Awaitable, Callable
+
+import pytest
+import redis.asyncio as aioredis
+
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.decision import Outcome
+from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.core.index import SLOT_BYTES
+from prefix_router.core.key import PrefixKey, extract_key
+from prefix_router.core.table import RoutingTable
+from prefix_router.state.routing import InProcessStore, Routed, RoutingStore, StateUnavailable
+from prefix_router.state.routing.redis_store import RedisStore
+from tests.conftest import REDIS_URL
+
+FLEET = Fleet.of([Instance("10.0.0.1", 8000 + i) for i in range(4)])
+CONFIG = RouterConfig().patched(
+    {
+        "prefix_mode": "bytes",
+        "index": {"slots_log2": 12},
+        # prefill so fast that no queue builds up between two requests of a test: decisions
+        # then depend on the index and the in-flight counts only, the same in both stores
+        "instance_defaults": {"prefill_tokens_per_s": 10_000_000},
+        "concurrency_threshold": 1000,
+    }
+)
+TABLE = RoutingTable.build(FLEET, CONFIG)
+
+StoreFactory = Callable[[], Awaitable[RoutingStore]]
+
+
+@pytest.fixture(params=["memory", "redis"])
+async def make_store(request: pytest.FixtureRequest, namespace: str) -> AsyncIterator[StoreFactory]:
+    made: list[RoutingStore] = []
+
+    async def factory() -> RoutingStore:
+        store: RoutingStore
+        if request.param == "memory":
+            store = InProcessStore()
+        else:
+            store = await RedisStore.connect(REDIS_URL, namespace=namespace, timeout_s=1.0)
+        made.append(store)
+        return store
+
+    yield factory
+    for store in made:
+        await store.close()
+
+
+def key(body: bytes) -> PrefixKey:
+    return extract_key(body, settings=TABLE.key_settings, path="/x")
+
+
+async def route(store: RoutingStore, body: bytes, request_id: str = "") -> Routed:
+    return await store.route(key(body), TABLE, request_id)
+
+
+async def settled(store: RoutingStore, expected: dict[str, int]) -> dict[str, int]:
+    """The store's in-flight counts once its background writes have landed (up to 5 s)."""
+    counts = await store.in_flight()
+    for _ in range(500):
+        if counts == expected:
+            break
+        await asyncio.sleep(0.01)
+        counts = await store.in_flight()
+    return counts
+
+
+def doc(name: str, size: int = 3000) -> bytes:
+    return (name.encode() * size)[:size]
+
+
+async def test_a_prefix_is_placed_once_and_found_by_its_next_requests(
+    make_store: StoreFactory,
+) -> None:
+    store = await make_store()
+    first = await route(store, doc("report") + b"question 1")
+    assert first.decision.outcome is Outcome.PLACED
+    store.release(first.instance_id)
+    for n in range(2, 6):
+        again = await route(store, doc("report") + f"question {n}".encode())
+        assert (again.decision.outcome, again.instance_id) == (Outcome.HOME, first.instance_id)
+        assert again.decision.cached_tokens == 2048 // 4
+        store.release(again.instance_id)
+    assert await settled(store, {}) == {}
+
+
+async def test_requests_of_one_batch_each_see_the_ones_before_them(namespace: str) -> None:
+    """Eight requests for one prefix at once (one Redis round trip) go where they would go
+    one after another: the in-flight bound spreads them over the prefix's holders."""
+    bodies = [doc("hot") + bytes([n]) for n in range(8)]
+    one_by_one = InProcessStore(clock=lambda: 1.0)  # one instant, as one round trip reads
+    expected_ids = [(await route(one_by_one, body)).instance_id for body in bodies]
+    assert len(set(expected_ids)) > 1
+    store = await RedisStore.connect(REDIS_URL, namespace=namespace, timeout_s=1.0)
+    try:
+        routed = await asyncio.gather(*(route(store, body) for body in bodies))
+        assert [r.instance_id for r in routed] == expected_ids
+        expected = {i: expected_ids.count(i) for i in set(expected_ids)}
+        assert await settled(store, expected) == expected
+        for r in routed:
+            store.release(r.instance_id)
+        assert await settled(store, {}) == {}
+    finally:
+        await store.close()
+
+
+async def test_stores_decide_alike_on_a_random_sequence(namespace: str) -> None:
+    """The Redis store's reads and atomic writes give the decision function the same state
+    the in-process store does: the same choices, step by step."""
+    rng = random.Random(7)
+    memory = InProcessStore()
+    shared = await RedisStore.connect(REDIS_URL, namespace=namespace, timeout_s=1.0)
+    heads = [doc(f"system prompt {n}", rng.randint(600, 6000)) for n in range(6)]
+    conversations: list[bytes] = []
+    try:
+        held: list[str] = []
+        for step in range(250):
+            if held and rng.random() < 0.4:
+                gone = held.pop(rng.randrange(len(held)))
+                memory.release(gone)
+                shared.release(gone)
+                continue
+            if conversations and rng.random() < 0.5:
+                n = rng.randrange(len(conversations))
+                conversations[n] += doc(f"turn {step}", rng.randint(100, 900))
+                body = conversations[n]
+            else:
+                body = rng.choice(heads) + doc(f"user {step}", rng.randint(10, 400))
+                conversations.append(body)
+            want = await route(memory, body)
+            got = await route(shared, body)
+            assert (got.instance_id, got.decision.outcome, got.decision.cached_tokens) == (
+                want.instance_id,
+                want.decision.outcome,
+                want.decision.cached_tokens,
+            ), f"step {step}"
+            held.append(got.instance_id)
+    finally:
+        await shared.close()
+
+
+async def test_replicas_share_the_index_and_the_counts(namespace: str) -> None:
+    one = await RedisStore.connect(REDIS_URL, namespace=namespace, timeout_s=1.0)
+    two = await RedisStore.connect(REDIS_URL, namespace=namespace, timeout_s=1.0)
+    try:
+        placed = await route(one, doc("manual") + b"first")
+        # one's writes (count and index) ride on its next round trip, together
+        assert await settled(two, {placed.instance_id: 1}) == {placed.instance_id: 1}
+        one.release(placed.instance_id)
+        assert await settled(two, {}) == {}
+        found = await route(two, doc("manual") + b"second")
+        assert (found.decision.outcome, found.instance_id) == (Outcome.HOME, placed.instance_id)
+        assert await settled(one, {placed.instance_id: 1}) == {placed.instance_id: 1}
+        two.release(found.instance_id)
+        assert await settled(one, {}) == {}
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_a_share_in_doubt_is_rewritten_before_the_next_batch(namespace: str) -> None:
+    """A round trip that failed may still have been applied. The flusher rewrites the
+    share from the exact local counts before it sends anything else, so a release
+    queued meanwhile cannot be undone by a rewrite overtaking it."""
+    store = await RedisStore.connect(REDIS_URL, namespace=namespace)
+    store._tasks[1].cancel()  # no heartbeat: only the flusher may repair the share
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        first = await route(store, doc("a"))
+        assert await settled(store, {first.instance_id: 1}) == {first.instance_id: 1}
+        # A request Redis counted although the reply was lost, which marks the share in doubt.
+        for k in (store.fleet_key, store.share_key):
+            await client.hincrby(k, first.instance_id, 1)
+        store._in_doubt = True
+        store.release(first.instance_id)
+        assert await settled(store, {}) == {}
+        assert await client.hgetall(store.share_key) == {}
+    finally:
+        await store.close()
+        await client.aclose()
+
+
+async def test_a_dead_replicas_counts_disappear(namespace: str) -> None:
+    dead = await RedisStore.connect(REDIS_URL, namespace=namespace)
+    taken = [(await route(dead, doc(f"p{n}"))).instance_id for n in range(3)]
+    dead.release(taken[0])  # its share now holds a field that went back to 0
+    await settled(dead, {t: taken[1:].count(t) for t in set(taken[1:])})
+    await dead.stop_tasks()  # dies: no more heartbeats, no goodbye
+    await dead.redis.delete(dead.alive_key)  # as if its heartbeat TTL ran out
+    survivor = await RedisStore.connect(REDIS_URL, namespace=namespace)
+    try:
+        await survivor.beat()
+        assert await survivor.in_flight() == {}
+    finally:
+        await survivor.close()
+        await dead.redis.aclose()
+
+
+async def test_redis_down_is_reported_within_the_round_trip_timeout() -> None:
+    store = await RedisStore.connect("redis://127.0.0.1:1/0", namespace="nowhere:", timeout_s=0.05)
+    try:
+        with pytest.raises(StateUnavailable):
+            async with asyncio.timeout(5.0):  # generous: the store's own bound is 50 ms
+                await route(store, doc("x"))
+    finally:
+        await store.close()
+
+
+async def test_redis_counts_decisions_keeps_recent_spills_and_bounds_the_index(
+    namespace: str,
+) -> None:
+    store = await RedisStore.connect(REDIS_URL, namespace=namespace, timeout_s=1.0)
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        held = [await route(store, doc("hot") + bytes([n]), f"req-{n}") for n in range(6)]
+        outcomes = [r.decision.outcome for r in held]
+        # held in flight, they fill the holder up to the in-flight bound (1.25 x (mean + 1)),
+        # then go elsewhere
+        assert outcomes[:2] == [Outcome.PLACED, Outcome.HOME] and Outcome.SPILLED in outcomes
+        for _ in range(200):
+            decisions = await client.hgetall(f"{namespace}decisions")
+            if sum(int(v) for v in decisions.values()) == 6:
+                break
+            await asyncio.sleep(0.01)
+        assert {k.decode(): int(v) for k, v in decisions.items()} == {
+            o.value: outcomes.count(o) for o in set(outcomes)
+        }
+        spills = [json.loads(s) for s in await client.lrange(f"{namespace}spills", 0, -1)]
+        spilled = [r for n, r in enumerate(held) if r.decision.outcome is Outcome.SPILLED]
+        assert [s["to"] for s in reversed(spills)] == [r.instance_id for r in spilled]
+        assert all(s["time"] > 1.7e9 and s["request_id"].startswith("req-") for s in spills)
+        for n in range(300):
+            await route(store, doc(f"many {n}", 9000))
+        assert await client.strlen(f"{namespace}index:12") <= SLOT_BYTES * 2**12
+    finally:
+        await store.close()
+        await client.aclose()
