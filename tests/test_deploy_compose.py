@@ -483,7 +483,7 @@ def test_dockerfile_builds_one_image_for_every_command() -> None:
     # Installed (not editable), the template is read from the package, where
     # prefix_router/envoy/bootstrap.yaml links to envoy/bootstrap.yaml: both must be copied.
     assert ["envoy", "envoy"] in copies
-    assert (ROOT / "prefix_router" / "bootstrap.yaml").resolve() == (
+    assert (ROOT / "prefix_router" / "envoy" / "bootstrap.yaml").resolve() == (
         ROOT / "envoy" / "bootstrap.yaml"
     ).resolve()
     assert any("pip install /src" in rest for op, rest in instructions if op == "RUN")
