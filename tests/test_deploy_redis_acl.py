@@ -4,11 +4,13 @@
 file of Redis); a real Redis runs with that ACL, and a real control plane and ext_proc
 read the URL from a file (``--redis-url-file``, the mounted Secret). The control plane
 seeds the shared state, ext_proc follows it and counts a routed request through its Lua
-script: every command they use passes the ACL. Anyone else gets nothing but PING.
+script: every command they use passes the ACL. Anyone else gets nothing but PING. The
+same again over TLS (``rediss://``), the documented option.
 """
 
 from __future__ import annotations
 
+import shutil
 import subprocess
 import urllib.parse
 import uuid
@@ -23,12 +25,11 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 
 from ext_proc.servicer import PROCESS_PATH
 from prefix_router.ops.launch import start_ext_proc, start_module
-from prefix_router.ops.procs import cli_command, free_port
+from prefix_router.ops.procs import ManagedProcess, cli_command, free_port
 from tests.conftest import ProcessReaper
 from tests.support.xds_stack import wait_until
 from tests.test_deploy_cli_contract import ROOT
 from tests.test_deploy_compose import COMPOSE_DIR
-from tests.test_deploy_probes import start_redis
 
 SECRET_SCRIPT = ROOT / "deploy" / "k8s" / "redis-secret.sh"
 
@@ -82,16 +83,68 @@ def _route_one_request(port: int) -> pb.ProcessingResponse:
     return answers[-1]
 
 
+def _tls_files(directory: Path) -> dict[str, Path]:
+    """A throw-away CA and a server certificate for 127.0.0.1 (openssl, as an operator would)."""
+    files = {name: directory / name for name in ("ca.key", "ca.pem", "key", "csr", "crt", "ext")}
+    files["ext"].write_text("subjectAltName=IP:127.0.0.1\n")
+    for argv in (
+        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", files["ca.key"],
+         "-out", files["ca.pem"], "-days", "2", "-subj", "/CN=prefix-router test CA"],
+        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", files["key"], "-out", files["csr"],
+         "-subj", "/CN=127.0.0.1"],
+        ["x509", "-req", "-in", files["csr"], "-CA", files["ca.pem"], "-CAkey", files["ca.key"],
+         "-CAcreateserial", "-out", files["crt"], "-days", "2", "-extfile", files["ext"]],
+    ):
+        subprocess.run(["openssl", *map(str, argv)], capture_output=True, timeout=60, check=True)
+    return files
+
+
+def _start_redis(procs: ProcessReaper, log_dir: Path, acl: Path, tls: dict[str, Path] | None
+                 ) -> int:
+    binary = shutil.which("redis-server")
+    assert binary, "redis-server is installed by scripts/ensure-test-services"
+    port = free_port()
+    listen = ["--port", str(port)]
+    if tls is not None:
+        listen = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(tls["crt"]),
+                  "--tls-key-file", str(tls["key"]), "--tls-ca-cert-file", str(tls["ca.pem"]),
+                  "--tls-auth-clients", "no"]
+    procs.add(ManagedProcess(
+        "redis",
+        [binary, *listen, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
+         "--aclfile", str(acl)],
+        log_dir / "redis.log",
+    ).start())
+    return port
+
+
 @pytest.mark.e2e
+@pytest.mark.parametrize("tls", [False, True], ids=["plain", "tls"])
 def test_components_work_through_the_acl_and_nobody_else_gets_in(
-    procs: ProcessReaper, log_dir: Path, tmp_path: Path
+    procs: ProcessReaper, log_dir: Path, tmp_path: Path, tls: bool
 ) -> None:
+    """With ``tls``: ``rediss://`` and the CA in the URL (docs/deployment.md, TLS)."""
     secret = make_secret()
     acl = tmp_path / "users.acl"
     acl.write_text(secret["users.acl"])
-    _, port = start_redis(procs, log_dir, acl)
+    certs = _tls_files(tmp_path) if tls else None
+    port = _start_redis(procs, log_dir, acl, certs)
     url = urllib.parse.urlsplit(secret["url"])
-    local_url = url._replace(netloc=f"{url.username}:{url.password}@127.0.0.1:{port}").geturl()
+    local = url._replace(netloc=f"{url.username}:{url.password}@127.0.0.1:{port}")
+    if certs is not None:
+        local = local._replace(
+            scheme="rediss", query=f"ssl_cert_reqs=required&ssl_ca_certs={certs['ca.pem']}"
+        )
+    local_url = local.geturl()
+    user = redis.Redis.from_url(local_url, socket_timeout=5)
+
+    def answers() -> bool:
+        try:
+            return bool(user.ping())
+        except redis.exceptions.ConnectionError:
+            return False
+
+    wait_until(answers, 30, "redis answers")
     url_file = tmp_path / "url"
     url_file.write_text(local_url + "\n")
     namespace = f"prefix-router:test-{uuid.uuid4().hex[:12]}:"  # under the ACL's prefix
@@ -116,8 +169,8 @@ def test_components_work_through_the_acl_and_nobody_else_gets_in(
 
     # ext_proc has no fleet of its own: a key means it read the control plane's from Redis.
     wait_until(routed, 30, "ext_proc routes with the fleet it read through the ACL")
-    user = redis.Redis.from_url(local_url, socket_timeout=5)
-    anonymous = redis.Redis(port=port, socket_timeout=5)
+    anonymous = redis.Redis.from_url(local._replace(netloc=f"127.0.0.1:{port}").geturl(),
+                                     socket_timeout=5)
     try:
         assert user.exists(f"{namespace}fleet", f"{namespace}config") == 2
         # The routed request went through ext_proc's Lua script (its decision counted).
