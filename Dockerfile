@@ -30,7 +30,8 @@ RUN groupadd --system --gid 10001 prefix-router \
       --shell /usr/sbin/nologin prefix-router
 USER 10001:10001
 WORKDIR /home/prefix-router
-# data plane, Envoy admin, xDS, admin API, ext_proc, ext_proc metrics, simulator
-EXPOSE 8080 9901 18000 8081 50051 9102 8000
+# data plane, Envoy probe listener (/ready, /stats/prometheus; Envoy's admin stays on
+# 127.0.0.1), xDS, admin API, control-plane metrics, ext_proc, ext_proc metrics, simulator
+EXPOSE 8080 9902 18000 8081 9103 50051 9102 8000
 ENTRYPOINT ["prefix-router"]
 CMD ["--help"]

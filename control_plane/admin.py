@@ -233,3 +233,25 @@ def create_app(service: AdminService, *, token: str | None) -> FastAPI:
         return await service.audit(limit)
 
     return app
+
+
+def create_metrics_app(service: AdminService) -> FastAPI:
+    """``GET /metrics`` and ``GET /healthz`` alone, for a port of their own (``--metrics-port``).
+
+    A NetworkPolicy can then let Prometheus reach the metrics without reaching the admin
+    API. Both answer from the event loop that serves xDS and the admin API, so a hung loop
+    fails ``/healthz`` here too.
+    """
+    app = FastAPI(
+        title="prefix-router control plane metrics", openapi_url=None, docs_url=None, redoc_url=None
+    )
+
+    @app.get("/healthz")
+    async def healthz() -> dict[str, str]:
+        return {"status": "ok"}
+
+    @app.get("/metrics", response_class=Response)
+    async def metrics() -> Response:
+        return Response(await service.metrics(), media_type=CONTENT_TYPE_LATEST)
+
+    return app

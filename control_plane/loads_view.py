@@ -1,6 +1,6 @@
 """What the load store keeps in Redis, read by the control plane for metrics and the status page.
 
-The keys are written by :mod:`prefix_router.state.loads.redis_store` (its module
+The keys are written by :mod:`prefix_router.state.routing.redis_store` (its module
 docstring has the layout); this module only reads them, in one pipelined
 round trip bounded by a timeout:
 

@@ -35,7 +35,7 @@ import yaml
 from envoy.service.discovery.v3 import ads_pb2_grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from control_plane.admin import create_app
+from control_plane.admin import create_app, create_metrics_app
 from control_plane.ads import AdsServer
 from control_plane.cache import SnapshotCache
 from control_plane.callbacks import ClientRegistry
@@ -48,11 +48,13 @@ from prefix_router.core.config import RouterConfig, load_config_file, parse_conf
 from prefix_router.core.errors import ConfigError, FleetError, StartupError
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.logs import setup_logging
+from prefix_router.state.redis_url import resolve_redis_url
 from prefix_router.state.store import DEFAULT_NAMESPACE, StateStore, watch_state
 
 log = logging.getLogger("prefix_router.control_plane")
 
 TOKEN_ENV = "PREFIX_ROUTER_ADMIN_TOKEN"
+DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 
 
@@ -62,6 +64,8 @@ class Settings:
     xds_port: int
     admin_host: str = "127.0.0.1"
     admin_port: int
+    metrics_port: int | None = None
+    """``/metrics`` and ``/healthz`` on a port of their own too (on ``admin_host``)."""
     redis_url: str
     namespace: str = DEFAULT_NAMESPACE
     fleet: Fleet | None = None
@@ -180,6 +184,20 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             lifespan="off",
         )
     )
+    metrics_server = (
+        None
+        if settings.metrics_port is None
+        else _EmbeddedUvicorn(
+            uvicorn.Config(
+                create_metrics_app(service),
+                host=settings.admin_host,
+                port=settings.metrics_port,
+                log_level="warning",
+                log_config=None,
+                lifespan="off",
+            )
+        )
+    )
     prober = HealthProber(store)
     drainer = Drainer(
         store, store, grace_s=settings.drain_grace_s, timeout_s=settings.drain_timeout_s
@@ -206,6 +224,12 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     for name in ("", ADS_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
     admin_task = asyncio.create_task(admin.serve(), name="admin")
+    servers: dict[asyncio.Task[Any], tuple[_EmbeddedUvicorn, int, str]] = {
+        admin_task: (admin, settings.admin_port, "admin API")
+    }
+    if metrics_server is not None and settings.metrics_port is not None:
+        metrics_task = asyncio.create_task(metrics_server.serve(), name="metrics")
+        servers[metrics_task] = (metrics_server, settings.metrics_port, "metrics")
     log.info(
         "control plane: xDS on %s:%d, admin API on %s:%d (%s)",
         settings.xds_host,
@@ -216,18 +240,19 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     )
     try:
         stopped = asyncio.create_task(stop.wait())
-        done, _ = await asyncio.wait({stopped, admin_task}, return_when=asyncio.FIRST_COMPLETED)
-        if admin_task in done and not admin.started:
-            raise StartupError(
-                f"admin API could not start on {settings.admin_host}:{settings.admin_port}"
-            )
+        done, _ = await asyncio.wait({stopped, *servers}, return_when=asyncio.FIRST_COMPLETED)
+        for task in done:
+            if task in servers and not servers[task][0].started:
+                _, port, what = servers[task]
+                raise StartupError(f"{what} could not start on {settings.admin_host}:{port}")
     finally:
         stop.set()
         for name in ("", ADS_SERVICE):
             await health_servicer.set(name, health_pb2.HealthCheckResponse.NOT_SERVING)
-        admin.should_exit = True
+        for server, _, _ in servers.values():
+            server.should_exit = True
         await grpc_server.stop(grace=1.0)
-        await asyncio.gather(admin_task, *tasks, return_exceptions=True)
+        await asyncio.gather(*servers, *tasks, return_exceptions=True)
         await prober.close()
         await view.close()
         await store.close()
@@ -240,7 +265,16 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--xds-port", type=int, default=18000)
     p.add_argument("--admin-host", default="127.0.0.1")
     p.add_argument("--admin-port", type=int, default=18001)
-    p.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    p.add_argument(
+        "--metrics-port",
+        type=int,
+        help="also serve /metrics and /healthz (no auth) on this port, on --admin-host",
+    )
+    p.add_argument("--redis-url", help=f"shared state (default {DEFAULT_REDIS_URL})")
+    p.add_argument(
+        "--redis-url-file",
+        help="read the Redis URL from this file (a mounted Secret: keeps a password out of ps)",
+    )
     p.add_argument("--namespace", default=DEFAULT_NAMESPACE, help="Redis key prefix")
     p.add_argument("--fleet", help="YAML: instances: [...], optional routing: {...}")
     p.add_argument("--config", help="YAML routing config (wins over the fleet file's)")
@@ -282,7 +316,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         xds_port=args.xds_port,
         admin_host=args.admin_host,
         admin_port=args.admin_port,
-        redis_url=args.redis_url,
+        metrics_port=args.metrics_port,
+        redis_url=resolve_redis_url(args.redis_url, args.redis_url_file) or DEFAULT_REDIS_URL,
         namespace=args.namespace,
         fleet=fleet,
         config=config,

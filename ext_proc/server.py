@@ -2,7 +2,7 @@
 
 ``main(argv)`` is ``prefix-router ext-proc``. The fleet and config come either
 from flags (a static fleet) or from the control plane's state in Redis
-(``--redis-url``), which this process follows live.
+(``--redis-url`` or ``--redis-url-file``), which this process follows live.
 """
 
 from __future__ import annotations
@@ -29,6 +29,7 @@ from prefix_router.core.config import RouterConfig, load_config_file
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.table import RoutingTable
 from prefix_router.logs import setup_logging
+from prefix_router.state.redis_url import resolve_redis_url
 from prefix_router.state.routing import InProcessStore, RoutingStore
 from prefix_router.state.routing.redis_store import RedisStore
 
@@ -118,8 +119,17 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--backend", action="append", default=[], help="host:port (static fleet)")
     p.add_argument("--config", help="YAML file with the routing config")
     p.add_argument("--redis-url", help="share the routing state (and follow the fleet) in Redis")
+    p.add_argument(
+        "--redis-url-file",
+        help="read the Redis URL from this file (a mounted Secret: keeps a password out of ps)",
+    )
     p.add_argument("--namespace", default="prefix-router:", help="Redis key prefix")
     p.add_argument("--metrics-port", type=int, help="serve Prometheus metrics on this port")
+    p.add_argument(
+        "--metrics-host",
+        help="address of the metrics port (default: --host; 0.0.0.0 lets Prometheus in while "
+        "the gRPC port stays on 127.0.0.1)",
+    )
     p.add_argument(
         "--transport",
         type=Transport,
@@ -133,6 +143,7 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Sequence[str] | None = None) -> int:
     args = _parser().parse_args(argv)
+    args.redis_url = resolve_redis_url(args.redis_url, args.redis_url_file)
     setup_logging("ext_proc", args.log_level)
     config = load_config_file(args.config) if args.config else RouterConfig()
     fleet = Fleet.of([Instance.from_url(b) for b in args.backend])
@@ -145,7 +156,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         store = await _routing_store(args.redis_url, args.namespace, config)
         callbacks = PrometheusCallbacks()
         if args.metrics_port:
-            start_http_server(args.metrics_port, addr=args.host, registry=callbacks.registry)
+            start_http_server(
+                args.metrics_port,
+                addr=args.metrics_host or args.host,
+                registry=callbacks.registry,
+            )
         router = RequestRouter(RoutingTable.build(fleet, config), store, callbacks)
         follower = None
         if args.redis_url and not args.backend:  # no static fleet: follow the control plane's

@@ -8,6 +8,7 @@ from pathlib import Path
 from typing import Any
 
 import httpx
+import psutil
 import pytest
 import yaml
 
@@ -22,7 +23,8 @@ from tests.support.xds_stack import start_backends, wait_until
 
 CONTAINER_ARGS = [
     "--listen-address", "0.0.0.0",
-    "--admin-address", "0.0.0.0",
+    "--probe-address", "0.0.0.0",
+    "--probe-port", "9902",
     "--ext-proc", "ext-proc:50051",
     "--xds", "control-plane:18000",
     "--node-id", "envoy-a",
@@ -53,7 +55,7 @@ def _hosts(cluster: dict[str, Any]) -> list[tuple[str, int]]:
 def test_hostnames_make_strict_dns_clusters(tmp_path: Path) -> None:
     doc = _render(tmp_path, CONTAINER_ARGS)
     clusters = _clusters(doc)
-    assert set(clusters) == {"ext_proc", "xds"}  # the model cluster comes over CDS
+    assert set(clusters) == {"ext_proc", "xds", "envoy_admin"}  # models come over CDS
     for name, host in (("ext_proc", ("ext-proc", 50051)), ("xds", ("control-plane", 18000))):
         assert clusters[name]["type"] == "STRICT_DNS"
         assert clusters[name]["dns_lookup_family"] == "V4_PREFERRED"
@@ -62,7 +64,9 @@ def test_hostnames_make_strict_dns_clusters(tmp_path: Path) -> None:
     assert doc["dynamic_resources"]["cds_config"] == {"ads": {}, "resource_api_version": "V3"}
     listener = doc["static_resources"]["listeners"][0]["address"]["socket_address"]
     assert listener == {"address": "0.0.0.0", "port_value": 8080}
-    assert doc["admin"]["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 9901}
+    assert doc["admin"]["address"]["socket_address"] == {
+        "address": "127.0.0.1", "port_value": 9901
+    }
 
 
 def test_ip_literals_keep_static_clusters(tmp_path: Path) -> None:
@@ -121,6 +125,8 @@ def test_env_fallbacks_and_flags_win() -> None:
         ["--ext-proc", "a:0", "--xds", "b:2"],
         ["--ext-proc", "a:1", "--xds", "b:2", "--listen-port", "x"],
         ["--ext-proc", "a:1", "--xds", "b:2", "--listen-port", "9901"],
+        ["--ext-proc", "a:1", "--xds", "b:2", "--probe-port", "9901"],
+        ["--ext-proc", "a:1", "--xds", "b:2", "--probe-port", "8080"],
     ],
 )
 def test_bad_flags_are_config_errors(argv: list[str]) -> None:
@@ -211,3 +217,97 @@ def test_names_resolve_through_real_envoy(procs: ProcessReaper, log_dir: Path) -
                 pass
 
         asyncio.run(clean())
+
+
+# -- the probe listener: Envoy's admin stays on loopback ------------------------------------
+
+
+def test_probe_listener_routes_only_ready_and_stats_to_the_admin(tmp_path: Path) -> None:
+    doc = _render(tmp_path, [*CONTAINER_ARGS, "--admin-port", "9911"])
+    listeners = {entry["name"]: entry for entry in doc["static_resources"]["listeners"]}
+    assert set(listeners) == {"data_plane", "probes"}
+    assert listeners["data_plane"]["traffic_direction"] == "INBOUND"  # preStop's inboundonly
+    probes = listeners["probes"]
+    assert probes["address"]["socket_address"] == {"address": "0.0.0.0", "port_value": 9902}
+    assert "traffic_direction" not in probes  # not INBOUND: not drained with the data plane
+    assert probes["ignore_global_conn_limit"] is True
+    limit, hcm = probes["filter_chains"][0]["filters"]
+    assert limit["typed_config"]["max_connections"] > 0
+    (vhost,) = hcm["typed_config"]["route_config"]["virtual_hosts"]
+    *proxied, rest = vhost["routes"]
+    get_only = [{"name": ":method", "string_match": {"exact": "GET"}}]
+    assert [(r["match"]["path"], r["match"]["headers"], r["route"]["cluster"])
+            for r in proxied] == [
+        (path, get_only, "envoy_admin") for path in ("/ready", "/stats/prometheus")
+    ]
+    assert rest["match"] == {"prefix": "/"} and rest["direct_response"]["status"] == 404
+    assert _hosts(_clusters(doc)["envoy_admin"]) == [("127.0.0.1", 9911)]
+    assert doc["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
+
+
+def test_no_probe_listener_unless_asked(tmp_path: Path) -> None:
+    """``prefix-router up`` renders without one (it reads the admin on 127.0.0.1 itself)."""
+    doc = _render(tmp_path, ["--ext-proc", "127.0.0.1:1", "--xds", "127.0.0.1:2"])
+    assert [entry["name"] for entry in doc["static_resources"]["listeners"]] == ["data_plane"]
+    assert "envoy_admin" not in _clusters(doc)
+
+
+def _status(url: str, method: str = "GET") -> int:
+    return httpx.request(method, url, timeout=5).status_code
+
+
+@pytest.mark.e2e
+def test_real_envoy_probe_listener_serves_probes_and_nothing_that_changes_envoy(
+    procs: ProcessReaper, log_dir: Path
+) -> None:
+    fleet = log_dir / "fleet.yaml"
+    fleet.write_text(yaml.safe_dump({"instances": [{"address": "127.0.0.1", "port": 1}]}))
+    listen, admin, probe = free_port(), free_port(), free_port()
+    params, config, fleet_obj, _ = build(
+        ["--listen-port", str(listen), "--admin-port", str(admin), "--probe-port", str(probe),
+         "--ext-proc", "127.0.0.1:1", "--fleet", str(fleet)],
+        {},
+    )
+    envoy = procs.add(start_envoy(params, config, log_dir, fleet=fleet_obj))
+    probes = f"http://127.0.0.1:{probe}"
+    assert httpx.get(f"{probes}/ready", timeout=5).text.strip() == "LIVE"
+    stats = httpx.get(f"{probes}/stats/prometheus", timeout=5)
+    assert stats.status_code == 200 and "envoy_server_live" in stats.text
+
+    # What the admin interface would do if reachable: none of it gets through.
+    for method, path in [
+        ("POST", "/quitquitquit"),
+        ("POST", "/runtime_modify?envoy.reloadable_features.x=false"),
+        ("POST", "/healthcheck/fail"),
+        ("POST", "/drain_listeners"),
+        ("POST", "/logging?level=trace"),
+        ("GET", "/config_dump"),
+        ("GET", "/stats"),
+        ("POST", "/ready"),
+        ("GET", "/ready/../quitquitquit"),
+    ]:
+        assert _status(f"{probes}{path}", method) == 404, f"{method} {path}"
+    assert envoy.alive()
+    assert _status(f"{probes}/ready") == 200
+    runtime = httpx.get(f"http://127.0.0.1:{admin}/runtime", timeout=5).json()
+    assert "envoy.reloadable_features.x" not in runtime["entries"]
+
+    # The admin interface listens on loopback only.
+    listening = [c.laddr for c in psutil.Process(envoy.pid).net_connections(kind="inet")
+                 if c.status == psutil.CONN_LISTEN]
+    assert {a.ip for a in listening if a.port == admin} == {"127.0.0.1"}
+
+    # The preStop hook's drain stops the data plane and leaves the probe listener.
+    assert httpx.post(
+        f"http://127.0.0.1:{admin}/drain_listeners?graceful&inboundonly", timeout=5
+    ).status_code == 200
+
+    def data_plane_closed() -> bool:
+        try:
+            httpx.get(f"http://127.0.0.1:{listen}/", timeout=2)
+        except httpx.ConnectError:
+            return True
+        return False
+
+    wait_until(data_plane_closed, 30, "the drained data-plane listener closed")
+    assert _status(f"{probes}/ready") == 200

@@ -1,11 +1,13 @@
 """compose/docker-compose.yml, checked without a Docker engine.
 
-* ``docker-compose config -q`` (Compose v1, Debian's ``docker-compose``) when installed;
-* always, in Python: every container command is a real ``prefix-router`` subcommand with
-  real flags, the ports and names one service uses to reach another match what that
-  service listens on, the fleets list the simulated/vLLM containers' addresses, and every
-  mounted file exists;
-* the healthcheck snippets run against a real ext_proc and a real simulator;
+* ``docker-compose config`` (Compose v1, Debian's ``docker-compose``, which
+  scripts/ensure-test-services installs) validates and resolves the file;
+* in Python: every container command is a real ``prefix-router`` subcommand with real
+  flags, the ports and names one service uses to reach another match what that service
+  listens on, the fleets list the simulated/vLLM containers' addresses, every mounted file
+  exists, Envoy's admin stays on loopback and Redis takes ACL credentials from secrets;
+* the healthcheck snippets run against real processes (here for ext_proc and the
+  simulator, and against hung ones in tests/test_deploy_probes.py);
 * the Dockerfile copies what the package needs and runs as a non-root user.
 """
 
@@ -17,6 +19,7 @@ import re
 import shutil
 import subprocess
 import sys
+import urllib.parse
 from pathlib import Path
 from typing import Any
 
@@ -115,11 +118,12 @@ def _healthcheck_port(service: dict[str, Any]) -> int:
 # -- docker-compose itself -----------------------------------------------------------------
 
 
-@pytest.mark.skipif(shutil.which("docker-compose") is None, reason="docker-compose not installed")
 @pytest.mark.parametrize("profiles", [(), ("gpu", "observability")])
 @pytest.mark.parametrize("env_name", sorted(ENVS))
 def test_docker_compose_config_accepts_the_file(profiles: tuple[str, ...], env_name: str) -> None:
-    args = ["docker-compose", "-f", str(COMPOSE_FILE)]
+    binary = shutil.which("docker-compose")
+    assert binary, "docker-compose is missing: scripts/ensure-test-services installs it"
+    args = [binary, "-f", str(COMPOSE_FILE)]
     for profile in profiles:
         args += ["--profile", profile]
     env = {"PATH": "/usr/bin:/bin:/usr/local/bin", "HOME": str(Path.home()), **ENVS[env_name]}
@@ -133,6 +137,20 @@ def test_docker_compose_config_accepts_the_file(profiles: tuple[str, ...], env_n
     }
     expected_fleet = ENVS[env_name].get("FLEET_FILE", "fleet.yaml")
     assert f"--fleet=/etc/prefix-router/{expected_fleet}" in resolved["control-plane"]["command"]
+    secrets = yaml.safe_load(result.stdout)["secrets"]
+    for name, source in (("redis_url", "redis-url.dev"), ("redis_acl", "redis-users.acl.dev")):
+        assert Path(secrets[name]["file"]) == COMPOSE_DIR / source
+
+
+def test_docker_compose_config_rejects_a_broken_file(tmp_path: Path) -> None:
+    """The check above can fail: a misspelt healthcheck key is refused."""
+    binary = shutil.which("docker-compose")
+    assert binary, "docker-compose is missing: scripts/ensure-test-services installs it"
+    broken = tmp_path / "docker-compose.yml"
+    broken.write_text(COMPOSE_FILE.read_text().replace("start_period: 10s", "start_perod: 10s"))
+    result = subprocess.run([binary, "-f", str(broken), "config", "-q"], capture_output=True,
+                            text=True, timeout=120, cwd=tmp_path)
+    assert result.returncode != 0 and "start_perod" in result.stderr
 
 
 # -- structure, always ---------------------------------------------------------------------
@@ -189,15 +207,20 @@ def test_control_plane_and_envoy_agree(compose: dict[str, Any]) -> None:
     # Envoy reaches the control plane's xDS port by its service name.
     assert parse_host_port(boot.one("--xds")) == ("control-plane", int(cp.one("--xds-port")))
     assert cp.one("--xds-host") == "0.0.0.0" and cp.one("--admin-host") == "0.0.0.0"
-    assert _healthcheck_port(services["control-plane"]) == int(cp.one("--xds-port"))
+    assert _healthcheck_port(services["control-plane"]) == int(cp.one("--metrics-port"))
+    assert "/healthz" in " ".join(services["control-plane"]["healthcheck"]["test"])
     assert int(cp.one("--admin-port")) in _published(services["control-plane"])
     # Envoy runs the bootstrap it rendered.
     assert envoy.one("-c") == boot.one("--out")
-    # The published data port and the healthchecked admin port are Envoy's.
+    # The published data port and the healthchecked probe port are Envoy's; its admin
+    # interface stays on loopback inside the container and is published nowhere.
     assert int(boot.one("--listen-port")) in _published(services["envoy"])
-    assert int(boot.one("--admin-port")) in _published(services["envoy"])
-    assert _healthcheck_port(services["envoy"]) == int(boot.one("--admin-port"))
-    assert boot.one("--listen-address") == boot.one("--admin-address") == "0.0.0.0"
+    assert _published(services["envoy"])[int(boot.one("--probe-port"))].startswith("127.0.0.1:")
+    assert int(boot.one("--admin-port")) not in _published(services["envoy"])
+    assert _healthcheck_port(services["envoy"]) == int(boot.one("--probe-port"))
+    assert "/ready" in " ".join(services["envoy"]["healthcheck"]["test"])
+    assert boot.one("--listen-address") == boot.one("--probe-address") == "0.0.0.0"
+    assert boot.one("--admin-address") == "127.0.0.1"
     assert "$HOSTNAME" in boot.one("--node-id")  # one node id per Envoy container
     # Both read the same routing config, from a file that exists and validates.
     config = _container_path(services["control-plane"], cp.one("--config"))
@@ -219,10 +242,25 @@ def test_ext_proc_matches_envoy_and_redis(compose: dict[str, Any]) -> None:
     assert xp.one("--host") == "0.0.0.0"
     assert _healthcheck_port(services["ext-proc"]) == int(xp.one("--port"))
     assert "--metrics-port" in xp.options
-    # ext_proc follows the control plane's state: same Redis, same namespace.
-    assert xp.one("--redis-url") == cp.one("--redis-url") == "redis://redis:6379/0"
+    # ext_proc follows the control plane's state: same Redis, same namespace, and the URL
+    # (user and password) from one secret file, never on the command line.
+    assert xp.one("--redis-url-file") == cp.one("--redis-url-file") == "/run/secrets/redis_url"
+    assert "--redis-url" not in xp.options and "--redis-url" not in cp.options
+    assert "redis_url" in services["ext-proc"]["secrets"]
+    assert "redis_url" in services["control-plane"]["secrets"]
+    url = urllib.parse.urlsplit(
+        (COMPOSE_DIR / compose["secrets"]["redis_url"]["file"]).read_text().strip()
+    )
+    assert (url.hostname, url.port) == ("redis", 6379) and url.username and url.password
     assert xp.one("--namespace") == cp.one("--namespace")
-    assert "redis" in services
+    # Redis: the ACL from the other secret file; the default user may only PING.
+    redis = services["redis"]
+    command = redis["command"]
+    acl = command[command.index("--aclfile") + 1]
+    assert acl == "/run/secrets/redis_acl" and redis["secrets"] == ["redis_acl"]
+    lines = (COMPOSE_DIR / compose["secrets"]["redis_acl"]["file"]).read_text().splitlines()
+    assert lines[0] == "user default on nopass -@all +ping"
+    assert f"{url.username} on >{url.password} " in lines[1]
 
 
 def test_rendered_bootstrap_uses_dns_clusters(compose: dict[str, Any]) -> None:
@@ -333,7 +371,7 @@ def test_prometheus_scrapes_every_component(compose: dict[str, Any]) -> None:
     (dns,) = jobs["ext-proc"]["dns_sd_configs"]
     assert dns["names"] == ["ext-proc"] and dns["port"] == int(xp.one("--metrics-port"))
     assert jobs["control-plane"]["static_configs"][0]["targets"] == [
-        f"control-plane:{cp.one('--admin-port')}"
+        f"control-plane:{cp.one('--metrics-port')}"
     ]
     sims = jobs["vllm-sim"]["static_configs"][0]["targets"]
     assert sorted(sims) == sorted(f"{n}:{p}" for n, (_, p) in
@@ -368,6 +406,21 @@ def test_grafana_provisions_the_datasource_and_dashboards_folder(compose: dict[s
         json.loads(path.read_text())
         assert not any(u.startswith("${") and u != "${datasource}" for u in uids), path
         assert datasource["uid"] == "prometheus" and datasource["isDefault"] is True
+
+
+def test_our_healthchecks_need_an_answer_and_end_before_docker_kills_them(
+    compose: dict[str, Any],
+) -> None:
+    """Each asks the process itself (gRPC Check, HTTP, PING) with its own deadline below
+    the healthcheck's ``timeout``; tests/test_deploy_probes.py runs them against hung
+    processes."""
+    for name in ("redis", *OUR_IMAGE_SERVICES):
+        check = compose["services"][name]["healthcheck"]
+        assert check["test"][0] == "CMD", f"{name}: exec form"
+        command = " ".join(check["test"][1:])
+        assert "ping" in command or "Check(" in command or "urlopen(" in command, name
+        deadlines = [float(s) for s in re.findall(r"timeout[ =](\d+)", command)]
+        assert deadlines and max(deadlines) < float(check["timeout"].rstrip("s")), name
 
 
 # -- the healthcheck snippets, run for real --------------------------------------------------

@@ -109,7 +109,7 @@ class Ring:
         """Distinct host indexes in ring order from the key's position, lazily.
 
         The first is the home (Envoy's pick); the rest are the stable second,
-        third, ... homes that bounded-load spill tries in turn.
+        third, ... instances a request may spread over when the first are overloaded.
         """
         owners = self.owners
         size = len(owners)

@@ -25,6 +25,12 @@ from prefix_router.envoy.cluster import MODEL_CLUSTER, circuit_breakers, model_c
 
 XDS_CLUSTER = "xds"
 EXT_PROC_CLUSTER = "ext_proc"
+ADMIN_CLUSTER = "envoy_admin"
+PROBE_LISTENER = "probes"
+PROBE_PATHS = ("/ready", "/stats/prometheus")
+"""What the probe listener passes on to Envoy's admin interface; every other path gets 404."""
+PROBE_MAX_CONNECTIONS = 64
+"""Open connections the probe listener keeps (kubelet and Prometheus need a few)."""
 
 
 def template_path() -> Path:
@@ -38,7 +44,13 @@ class BootstrapParams:
     listen_address: str = "127.0.0.1"
     listen_port: int
     admin_address: str = "127.0.0.1"
+    """Envoy's admin interface: unauthenticated and able to stop Envoy, so loopback by
+    default; containers expose :attr:`probe_port` instead."""
     admin_port: int
+    probe_address: str = "127.0.0.1"
+    probe_port: int | None = None
+    """A listener serving only ``GET /ready`` and ``GET /stats/prometheus`` (proxied to the
+    admin interface) for the kubelet's probes and Prometheus; None: no such listener."""
     ext_proc: tuple[tuple[str, int], ...]
     """``(host, port)`` of every ext_proc process; Envoy balances streams over them."""
     node_id: str = "prefix-router-envoy"
@@ -108,6 +120,93 @@ def _static_cluster(
     return cluster
 
 
+def _loopback_for(address: str) -> str:
+    """Where a process on the same host reaches a listener bound to ``address``."""
+    if address in ("0.0.0.0", ""):
+        return "127.0.0.1"
+    if address == "::":
+        return "::1"
+    return address
+
+
+def probe_listener(params: BootstrapParams) -> dict[str, Any] | None:
+    """The probe listener: ``GET`` of :data:`PROBE_PATHS` go to the admin interface, the
+    rest (``/quitquitquit``, ``/config_dump``, ``/runtime_modify``, ...) gets 404.
+
+    It ignores the overload manager's global connection cap, so the kubelet still sees
+    ``/ready`` while clients hold every data-plane connection, and caps its own instead;
+    it survives the data plane's ``inboundonly`` drain.
+    """
+    if params.probe_port is None:
+        return None
+    hcm = "envoy.extensions.filters.network.http_connection_manager.v3.HttpConnectionManager"
+    limit = "envoy.extensions.filters.network.connection_limit.v3.ConnectionLimit"
+    routes: list[dict[str, Any]] = [
+        {
+            "match": {
+                "path": path,
+                "headers": [{"name": ":method", "string_match": {"exact": "GET"}}],
+            },
+            "route": {"cluster": ADMIN_CLUSTER, "timeout": "5s"},
+        }
+        for path in PROBE_PATHS
+    ]
+    routes.append(
+        {
+            "match": {"prefix": "/"},
+            "direct_response": {
+                "status": 404,
+                "body": {"inline_string": f"only GET {' and '.join(PROBE_PATHS)} here\n"},
+            },
+        }
+    )
+    return {
+        "name": PROBE_LISTENER,
+        "address": {
+            "socket_address": {"address": params.probe_address, "port_value": params.probe_port}
+        },
+        "ignore_global_conn_limit": True,
+        "filter_chains": [
+            {
+                "filters": [
+                    {
+                        "name": "envoy.filters.network.connection_limit",
+                        "typed_config": {
+                            "@type": f"type.googleapis.com/{limit}",
+                            "stat_prefix": PROBE_LISTENER,
+                            "max_connections": PROBE_MAX_CONNECTIONS,
+                        },
+                    },
+                    {
+                        "name": "envoy.filters.network.http_connection_manager",
+                        "typed_config": {
+                            "@type": f"type.googleapis.com/{hcm}",
+                            "stat_prefix": PROBE_LISTENER,
+                            "stream_idle_timeout": "10s",
+                            "request_timeout": "10s",
+                            "route_config": {
+                                "name": PROBE_LISTENER,
+                                "virtual_hosts": [
+                                    {"name": PROBE_LISTENER, "domains": ["*"], "routes": routes}
+                                ],
+                            },
+                            "http_filters": [
+                                {
+                                    "name": "envoy.filters.http.router",
+                                    "typed_config": {
+                                        "@type": "type.googleapis.com/envoy.extensions"
+                                        ".filters.http.router.v3.Router"
+                                    },
+                                }
+                            ],
+                        },
+                    },
+                ]
+            }
+        ],
+    }
+
+
 def model_route(config: RouterConfig, *, ext_proc: bool = True) -> dict[str, Any]:
     """The data-plane route: hash on x-prefix-key, never time out a long generation.
 
@@ -158,6 +257,10 @@ def render_bootstrap(
     ext_proc = _static_cluster(EXT_PROC_CLUSTER, params.ext_proc, http2=True)
     ext_proc["circuit_breakers"] = circuit_breakers(config)
     clusters = [ext_proc]
+    probes = probe_listener(params)
+    if probes is not None:
+        admin = (_loopback_for(params.admin_address), params.admin_port)
+        clusters.append(_static_cluster(ADMIN_CLUSTER, (admin,), http2=False))
     dynamic = ""
     if params.xds is not None:
         clusters.append(_static_cluster(XDS_CLUSTER, (params.xds,), http2=True))
@@ -192,9 +295,7 @@ def render_bootstrap(
             raise ValueError("a static bootstrap needs the fleet")
         addresses = resolve_now(names_in(fleet))
         clusters.append(
-            model_cluster(
-                config, fleet, eds=False, lb_policy=params.lb_policy, addresses=addresses
-            )
+            model_cluster(config, fleet, eds=False, lb_policy=params.lb_policy, addresses=addresses)
         )
     template = Template(template_path().read_text())
     return template.substitute(
@@ -211,5 +312,6 @@ def render_bootstrap(
         or default_max_downstream_connections(),
         route_json=json.dumps(model_route(config, ext_proc=bool(params.ext_proc))),
         static_clusters_json=json.dumps(clusters),
+        probe_listener="" if probes is None else f"  - {json.dumps(probes)}",
         dynamic_resources=dynamic,
     )

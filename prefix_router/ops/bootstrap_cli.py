@@ -2,8 +2,9 @@
 
 Containers run it just before Envoy, so one image serves every topology::
 
-    prefix-router envoy-bootstrap --listen-address 0.0.0.0 --admin-address 0.0.0.0 \\
-        --ext-proc ext-proc:50051 --xds control-plane:18000 --out /tmp/envoy.yaml \\
+    prefix-router envoy-bootstrap --listen-address 0.0.0.0 \\
+        --probe-address 0.0.0.0 --probe-port 9902 \\
+        --ext-proc 127.0.0.1:50051 --xds control-plane:18000 --out /tmp/envoy.yaml \\
       && exec envoy -c /tmp/envoy.yaml
 
 Addresses may be IP literals or DNS names (a compose service, a Kubernetes Service);
@@ -62,13 +63,30 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     def add(flag: str, default: str | None, help_: str) -> None:
         env_name = ENV_PREFIX + flag.removeprefix("--").replace("-", "_").upper()
         value = _env(environ, flag)
-        p.add_argument(flag, default=value if value is not None else default,
-                       help=f"{help_} (env {env_name}; default {default})")
+        p.add_argument(
+            flag,
+            default=value if value is not None else default,
+            help=f"{help_} (env {env_name}; default {default})",
+        )
 
     add("--listen-address", "127.0.0.1", "data-plane listener address")
     add("--listen-port", "8080", "data-plane listener port")
-    add("--admin-address", "127.0.0.1", "Envoy admin address (/ready, /stats)")
+    add(
+        "--admin-address",
+        "127.0.0.1",
+        "Envoy admin address; it can stop Envoy, keep it on loopback (use --probe-port)",
+    )
     add("--admin-port", "9901", "Envoy admin port")
+    add(
+        "--probe-address",
+        "127.0.0.1",
+        "probe listener address (0.0.0.0 in a container, for the kubelet and Prometheus)",
+    )
+    add(
+        "--probe-port",
+        None,
+        "probe listener port: GET /ready and /stats/prometheus only, proxied to the admin",
+    )
     p.add_argument(
         "--ext-proc",
         action="append",
@@ -135,6 +153,10 @@ def build(
         listen_port=_int("--listen-port", args.listen_port, low=1, high=65535),
         admin_address=args.admin_address,
         admin_port=_int("--admin-port", args.admin_port, low=1, high=65535),
+        probe_address=args.probe_address,
+        probe_port=None
+        if args.probe_port is None
+        else _int("--probe-port", args.probe_port, low=1, high=65535),
         ext_proc=tuple(parse_host_port(s) for s in ext_proc_specs),
         node_id=args.node_id,
         xds=parse_host_port(args.xds) if args.xds is not None else None,
@@ -151,8 +173,13 @@ def build(
             "--max-downstream-connections", args.max_downstream_connections, low=1, high=2**31
         ),
     )
-    if params.listen_port == params.admin_port and params.listen_address == params.admin_address:
-        raise ConfigError("--listen-port and --admin-port must differ")
+    ports = [("--listen-port", params.listen_port), ("--admin-port", params.admin_port)]
+    if params.probe_port is not None:
+        ports.append(("--probe-port", params.probe_port))
+    for i, (flag, port) in enumerate(ports):
+        for other, other_port in ports[i + 1 :]:
+            if port == other_port:
+                raise ConfigError(f"{flag} and {other} must differ (both {port})")
     config = load_config_file(args.config) if args.config else RouterConfig()
     fleet = _fleet_from_file(args.fleet) if args.fleet else None
     return params, config, fleet, args.out

@@ -56,6 +56,7 @@ from prefix_router.ops.procs import (
     port_is_free,
     wait_until_listening,
 )
+from prefix_router.state.redis_url import redacted
 
 ENV_PREFIX = "PREFIX_ROUTER_"
 
@@ -121,7 +122,7 @@ ROUTING_SHORTCUTS: dict[str, tuple[tuple[str, ...], str]] = {
         ("concurrency_threshold",),
         "ConcurrencyThreshold: in-flight requests per instance before spilling",
     ),
-    "spill_policy": (("spill", "policy"), "bounded-load, relative-load or none"),
+    "spill_policy": (("spill", "policy"), "least-work or none"),
 }
 """The routing settings that ``up`` also takes as flags and env vars (over the config file)."""
 
@@ -318,7 +319,9 @@ class Stack:
                 client.delete(*keys)
             self._cleared = True
         except redis.RedisError as exc:
-            raise StartupError(f"Redis at {self.redis_url} does not answer: {exc}") from None
+            raise StartupError(
+                f"Redis at {redacted(self.redis_url)} does not answer: {exc}"
+            ) from None
         finally:
             client.close()
 
