@@ -63,9 +63,6 @@ class SnapshotCache:
     def get_snapshot(self, key: str) -> Snapshot | None:
         return self._snapshots.get(key)
 
-    def clear_snapshot(self, key: str) -> None:
-        self._snapshots.pop(key, None)
-
     def fetch(self, node: base_pb2.Node) -> Snapshot | None:
         return self._snapshots.get(self._node_hash(node))
 

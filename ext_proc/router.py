@@ -21,6 +21,7 @@ import asyncio
 import logging
 import time
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from prefix_router.core.decision import Outcome
 from prefix_router.core.key import Fallback, PrefixKey, extract_key
@@ -55,8 +56,7 @@ class RouterCallbacks:
         """An ext_proc stream ended: closed by Envoy's half-close, or ``reset``."""
 
 
-@dataclass(frozen=True, slots=True)
-class RouteDecision:
+class RouteDecision(NamedTuple):
     """Where one request goes, as ext_proc applies and reports it."""
 
     outcome: Outcome

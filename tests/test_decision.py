@@ -103,6 +103,15 @@ class Fleetwide:
     def in_flight(self, instance: int) -> int:
         return self.flights.get(instance, 0)
 
+    def load(self, instance: int) -> tuple[float, int, int, float]:
+        work = self.work(instance)
+        return (
+            work.backlog_s(self.now),
+            work.waiting(self.now),
+            self.in_flight(instance),
+            self.model(instance).prefill_tokens_per_s,
+        )
+
     def total_in_flight(self) -> int:
         return sum(self.flights.values())
 

@@ -27,7 +27,7 @@ CONFIG = RouterConfig().patched(
         "index": {"slots_log2": 12},
         # prefill so fast that no queue builds up between two requests of a test: decisions
         # then depend on the index and the in-flight counts only, the same in both stores
-        "instance_defaults": {"prefill_tokens_per_s": 10_000_000},
+        "instance_defaults": {"prefill_tokens_per_s": 1e9},
         "concurrency_threshold": 1000,
     }
 )

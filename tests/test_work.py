@@ -31,3 +31,12 @@ def test_the_waiting_list_is_bounded() -> None:
     for _ in range(MAX_WAITING_TRACKED + 50):
         w = admit(w, 0.0, prefill_tokens=1, written_tokens=1, rate=1000)
     assert len(w.ends) == MAX_WAITING_TRACKED and w.waiting(0.0) == MAX_WAITING_TRACKED
+
+
+def test_only_the_last_keep_ends_are_kept() -> None:
+    w = InstanceWork()
+    for _ in range(10):
+        w = admit(w, 0.0, prefill_tokens=1, written_tokens=1, rate=1000, keep=4)
+    assert w.ends == pytest.approx((0.007, 0.008, 0.009, 0.010)) and w.waiting(0.0) == 4
+    w = admit(w, 0.0095, prefill_tokens=1, written_tokens=1, rate=1000, keep=4)
+    assert w.ends == pytest.approx((0.010, 0.011))

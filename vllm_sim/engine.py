@@ -211,10 +211,6 @@ class Engine:
     def resume(self) -> None:
         self._running.set()
 
-    @property
-    def paused(self) -> bool:
-        return not self._running.is_set()
-
     async def _run(self) -> None:
         scheduler, cost, scale = self.scheduler, self.config.cost, self.config.time_scale
         while not self._closed:

@@ -116,9 +116,6 @@ class PrefixCache:
             hits.append(block)
         return hits
 
-    def is_cached(self, block_hash: BlockHash) -> bool:
-        return block_hash in self._index
-
     def free_order(self) -> list[int]:
         """Evictable blocks that carry state, next victim first (for tests and debugging)."""
         return list(self._lru)

@@ -111,7 +111,7 @@ class InstanceDefaults(_Frozen):
     plane learns each instance's prefill rate and KV cache size from its /metrics)."""
 
     prefill_tokens_per_s: float = Field(
-        8000.0, gt=0, le=10_000_000, description="Prompt tokens one instance computes a second."
+        8000.0, gt=0, le=1e9, description="Prompt tokens one instance computes a second."
     )
     kv_cache_tokens: int = Field(
         400_000, ge=1000, le=1_000_000_000, description="Tokens one instance's KV cache holds."

@@ -38,7 +38,7 @@ from __future__ import annotations
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from prefix_router.core.config import PrefixMatch, RouterConfig, SpillPolicyName
 from prefix_router.core.index import (
@@ -50,7 +50,6 @@ from prefix_router.core.index import (
     record,
 )
 from prefix_router.core.key import BYTES_PER_TOKEN, PrefixKey
-from prefix_router.core.work import InstanceModel, InstanceWork
 
 
 class Outcome(StrEnum):
@@ -99,6 +98,12 @@ def block_bytes(config: RouterConfig) -> int:
     return config.index.block_bytes
 
 
+Load = tuple[float, int, int, float]
+"""One instance's load as a decision weighs it: ``(backlog_s, waiting, in_flight,
+prefill_tokens_per_s)``: its queued prefill in seconds, the requests waiting for their
+first token, the requests in flight, and its prefill rate."""
+
+
 class FleetView(Protocol):
     """What a decision reads of the fleet's shared state, as of ``now``."""
 
@@ -108,14 +113,8 @@ class FleetView(Protocol):
         """One slot of the prefix index."""
         ...
 
-    def work(self, instance: int) -> InstanceWork:
-        """Instance ``instance``'s modelled queue (index into the table's instances)."""
-        ...
-
-    def model(self, instance: int) -> InstanceModel: ...
-
-    def in_flight(self, instance: int) -> int:
-        """Requests routed to the instance and not finished."""
+    def load(self, instance: int) -> Load:
+        """Instance ``instance``'s :data:`Load` (an index into the table's instances)."""
         ...
 
     def total_in_flight(self) -> int:
@@ -127,8 +126,7 @@ class FleetView(Protocol):
         ...
 
 
-@dataclass(frozen=True, slots=True)
-class Candidate:
+class Candidate(NamedTuple):
     instance: int
     cached_tokens: int
     backlog_s: float
@@ -141,8 +139,7 @@ class Candidate:
         return self.backlog_s + max(0, prompt_tokens - self.cached_tokens) / self.rate
 
 
-@dataclass(frozen=True, slots=True)
-class Decision:
+class Decision(NamedTuple):
     """Where one request goes, why, and what routing it there changes."""
 
     outcome: Outcome
@@ -201,7 +198,6 @@ def decide(
     instances (non-empty) and ``overflow`` lists more of them, asked for only when every
     candidate is overloaded; ``tag_of[i]`` is instance ``i``'s identity tag and
     ``instance_of`` the reverse."""
-    now = view.now
     ends = key.ends
     shift = 64 - rule.slots_log2
     located = [(block >> shift, block & 0xFFFF) for block in key.blocks]  # index.locate
@@ -209,44 +205,28 @@ def decide(
     models: dict[int, CacheModel | None] = {}
 
     def model_of(tag: int) -> CacheModel | None:
-        try:
+        if tag in models:
             return models[tag]
-        except KeyError:
-            model = models[tag] = view.cache_model(tag)
-            return model
+        model = models[tag] = view.cache_model(tag)
+        return model
 
     held = match(slots, [fp for _, fp in located], model_of)
     cap = key.prompt_tokens - 1
-    common = min(ends[held.common - 1] // BYTES_PER_TOKEN, cap) if held.common else 0
+    common = max(0, min(ends[held.common - 1] // BYTES_PER_TOKEN, cap)) if held.common else 0
     cached: dict[int, int] = {}
-    for tag, depth in sorted(held.depths.items(), key=lambda h: -h[1]):
+    for tag, depth in sorted(held.depths.items(), key=_deepest_first):
         instance = instance_of.get(tag)
         if instance is not None:
             cached[instance] = max(0, min(ends[depth - 1] // BYTES_PER_TOKEN, cap))
     deepest, home = next(iter(cached.values()), 0), next(iter(cached), None)
     for i in ring_order:
-        cached.setdefault(i, max(0, common))
-
-    def candidate(i: int, tokens: int) -> Candidate:
-        work = view.work(i)
-        return Candidate(
-            i,
-            tokens,
-            work.backlog_s(now),
-            work.waiting(now),
-            view.in_flight(i),
-            view.model(i).prefill_tokens_per_s,
-        )
-
-    candidates = [candidate(i, tokens) for i, tokens in cached.items()]
+        cached.setdefault(i, common)
+    candidates = [Candidate(i, tokens, *view.load(i)) for i, tokens in cached.items()]
     bound = in_flight_bound(rule, view.total_in_flight(), len(tag_of))
     if rule.policy is not SpillPolicyName.NONE and not any(
         c.in_flight < bound and c.waiting < rule.threshold for c in candidates
     ):
-        for i in overflow():
-            if i not in cached:
-                cached[i] = max(0, common)
-                candidates.append(candidate(i, cached[i]))
+        candidates += [Candidate(i, common, *view.load(i)) for i in overflow() if i not in cached]
     chosen = candidates[choose(candidates, key.prompt_tokens, rule, bound)]
     if deepest <= common:
         outcome = Outcome.PLACED
@@ -264,6 +244,10 @@ def decide(
         written_tokens=prefill + key.output_tokens,
         index_writes=_record_blocks(located, slots, tag_of[chosen.instance], model_of),
     )
+
+
+def _deepest_first(held: tuple[int, int]) -> int:
+    return -held[1]
 
 
 def _record_blocks(

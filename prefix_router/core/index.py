@@ -35,7 +35,7 @@ from __future__ import annotations
 
 import struct
 from collections.abc import Callable, Sequence
-from dataclasses import dataclass
+from typing import NamedTuple
 
 import xxhash
 
@@ -70,8 +70,7 @@ def stamp_of(written_tokens: float) -> int:
     return int(written_tokens // STAMP_TOKENS) & STAMP_MASK
 
 
-@dataclass(frozen=True, slots=True)
-class CacheModel:
+class CacheModel(NamedTuple):
     """What the index needs of one instance: how much it has written, and holds; kept in
     stamp units so a lookup compares integers."""
 
@@ -102,8 +101,7 @@ ModelOf = Callable[[int], "CacheModel | None"]
 """The cache model of the instance with this tag, or None if it is not in the fleet."""
 
 
-@dataclass(frozen=True, slots=True)
-class Match:
+class Match(NamedTuple):
     """What the fleet holds of one request's prefix."""
 
     depths: dict[int, int]
@@ -137,8 +135,7 @@ def match(slots: Sequence[bytes], fingerprints: Sequence[int], model_of: ModelOf
     return Match(found, common)
 
 
-@dataclass(frozen=True, slots=True)
-class EntryWrite:
+class EntryWrite(NamedTuple):
     """Set entry ``way`` of ``slot`` to ``new``, if it still holds ``expected``."""
 
     slot: int

@@ -50,7 +50,7 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
 from functools import lru_cache
-from typing import Any
+from typing import Any, NamedTuple
 
 import orjson
 import xxhash
@@ -98,8 +98,7 @@ class KeySettings:
     """Bytes per block of the prefix; 0: the whole prefix is one block (a fixed key)."""
 
 
-@dataclass(frozen=True, slots=True)
-class PrefixKey:
+class PrefixKey(NamedTuple):
     value: str
     """The ``x-prefix-key`` header value: the last block's hash in hex."""
     blocks: tuple[int, ...] = ()

@@ -27,9 +27,12 @@ from __future__ import annotations
 
 from bisect import bisect_right
 from dataclasses import dataclass
+from typing import NamedTuple
 
 MAX_WAITING_TRACKED = 256
-"""Prefill ends kept per instance: more waiting requests than this read as this many."""
+"""Prefill ends kept per instance at most: more waiting requests read as this many. The
+decision needs to know only whether ConcurrencyThreshold are waiting, so stores keep that
+many (:func:`admit`'s ``keep``)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -40,8 +43,7 @@ class InstanceModel:
     kv_cache_tokens: float
 
 
-@dataclass(frozen=True, slots=True)
-class InstanceWork:
+class InstanceWork(NamedTuple):
     """One instance's modelled prefill queue and cache clock."""
 
     busy_until: float = 0.0
@@ -61,14 +63,22 @@ class InstanceWork:
 
 
 def admit(
-    work: InstanceWork, now: float, *, prefill_tokens: float, written_tokens: float, rate: float
+    work: InstanceWork,
+    now: float,
+    *,
+    prefill_tokens: float,
+    written_tokens: float,
+    rate: float,
+    keep: int = MAX_WAITING_TRACKED,
 ) -> InstanceWork:
     """``work`` after a request is routed to it at ``now``: ``prefill_tokens`` to compute,
-    ``written_tokens`` (prefill plus expected output) to write to its cache."""
+    ``written_tokens`` (prefill plus expected output) to write to its cache. The last
+    ``keep`` prefill ends are kept (waiting counts read up to ``keep``)."""
     end = max(now, work.busy_until) + prefill_tokens / rate
     ends = work.ends
-    if ends and ends[0] <= now or len(ends) >= MAX_WAITING_TRACKED:
-        ends = ends[bisect_right(ends, now) :][-(MAX_WAITING_TRACKED - 1) :]
+    if ends and ends[0] <= now or len(ends) >= keep:
+        ends = ends[bisect_right(ends, now) :]
+        ends = ends[len(ends) - keep + 1 :] if keep > 1 else ()
     return InstanceWork(end, (*ends, end), work.written_tokens + written_tokens)
 
 

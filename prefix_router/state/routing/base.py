@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-from dataclasses import dataclass
-from typing import Protocol
+from typing import NamedTuple, Protocol
 
 from prefix_router.core.decision import Decision
 from prefix_router.core.key import PrefixKey
@@ -14,8 +13,7 @@ class StateUnavailable(Exception):
     """The store could not answer in time; the caller decides on its own state."""
 
 
-@dataclass(frozen=True, slots=True)
-class Routed:
+class Routed(NamedTuple):
     """A routed request: the decision and the instance whose in-flight count it holds."""
 
     decision: Decision

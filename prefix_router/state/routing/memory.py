@@ -12,6 +12,7 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
+from prefix_router.core.decision import Load
 from prefix_router.core.index import CacheModel, InProcessIndex
 from prefix_router.core.key import PrefixKey
 from prefix_router.core.table import RoutingTable
@@ -50,6 +51,7 @@ class InProcessStore:
             prefill_tokens=decision.prefill_tokens,
             written_tokens=decision.written_tokens,
             rate=view.model(decision.instance).prefill_tokens_per_s,
+            keep=table.rule.threshold,
         )
         self._in_flight[chosen] += 1
         self._total += 1
@@ -102,8 +104,16 @@ class _View:
     def model(self, instance: int) -> InstanceModel:
         return self._store._models.get(self._table.ids[instance], self._table.default_model)
 
-    def in_flight(self, instance: int) -> int:
-        return self._store._in_flight.get(self._table.ids[instance], 0)
+    def load(self, instance: int) -> Load:
+        store, name, now = self._store, self._table.ids[instance], self.now
+        work = store._work.get(name, _IDLE)
+        model = store._models.get(name, self._table.default_model)
+        return (
+            work.backlog_s(now),
+            work.waiting(now),
+            store._in_flight.get(name, 0),
+            model.prefill_tokens_per_s,
+        )
 
     def total_in_flight(self) -> int:
         return self._store._total

@@ -15,7 +15,7 @@ from dataclasses import dataclass, field
 
 from prefix_router.core.index import EntryWrite
 
-KEYS = ("inflight", "share", "decisions", "spills", "index", "work", "models")
+KEYS = ("inflight", "share", "decisions", "spills", "index", "work")
 """KEYS of :data:`SYNC`, in order (see :class:`~.redis_store.Keys` for the names)."""
 
 ADMIT_FIELDS = ("id", "prefill_tokens", "written_tokens", "rate", "outcome", "home", "request")
@@ -35,6 +35,8 @@ class SyncArgs:
     writes: list[EntryWrite] = field(default_factory=list)
     instances: Sequence[str] = ()
     slots: Sequence[int] = ()
+    keep: int = 256
+    """Prefill ends kept per instance (the decision needs ConcurrencyThreshold of them)."""
 
     def __bool__(self) -> bool:
         return bool(self.reserves or self.releases or self.admits or self.writes or self.slots)
@@ -42,7 +44,7 @@ class SyncArgs:
     def pack(
         self, ends_prefix: str, entry_bytes: int, slot_bytes: int
     ) -> list[str | bytes | float]:
-        args: list[str | bytes | float] = [ends_prefix, entry_bytes, slot_bytes]
+        args: list[str | bytes | float] = [ends_prefix, entry_bytes, slot_bytes, self.keep]
         args += [len(self.reserves), *self.reserves]
         args += [len(self.releases), *self.releases]
         args.append(len(self.admits))
@@ -59,9 +61,10 @@ class SyncArgs:
 SYNC = """
 local ends_prefix = ARGV[1]
 local entry_bytes, slot_bytes = tonumber(ARGV[2]), tonumber(ARGV[3])
+local keep = tonumber(ARGV[4])
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
-local pos = 4
+local pos = 5
 local function take()
   local v = ARGV[pos]
   pos = pos + 1
@@ -97,7 +100,7 @@ for _ = 1, tonumber(take()) do
   redis.call('HINCRBYFLOAT', KEYS[6], id .. ':written', written)
   local ends = ends_prefix .. id
   redis.call('RPUSH', ends, tostring(done))
-  redis.call('LTRIM', ends, -256, -1)
+  redis.call('LTRIM', ends, -keep, -1)
   counted[outcome] = (counted[outcome] or 0) + 1
   if outcome == 'spilled' then
     redis.call('LPUSH', KEYS[4], cjson.encode({
@@ -127,11 +130,9 @@ for i = 1, n do
   end
   local all = redis.call('LLEN', ends)
   if #kept < all then redis.call('LTRIM', ends, all - #kept, -1) end
-  out[#out + 1] = redis.call('HGET', KEYS[6], id .. ':busy') or '0'
-  out[#out + 1] = redis.call('HGET', KEYS[6], id .. ':written') or '0'
-  out[#out + 1] = redis.call('HGET', KEYS[1], id) or '0'
-  out[#out + 1] = redis.call('HGET', KEYS[7], id) or ''
-  out[#out + 1] = table.concat(kept, ' ')
+  local work = redis.call('HMGET', KEYS[6], id .. ':busy', id .. ':written')
+  out[#out + 1] = (work[1] or '0') .. ' ' .. (work[2] or '0') .. ' '
+    .. (redis.call('HGET', KEYS[1], id) or '0') .. ' ' .. table.concat(kept, ' ')
 end
 for _ = 1, tonumber(take()) do
   local offset = tonumber(take()) * slot_bytes
@@ -139,9 +140,9 @@ for _ = 1, tonumber(take()) do
 end
 return out
 """
-"""One round trip (see :class:`SyncArgs`). Returns ``now``; per instance asked for:
-``busy_until``, ``written_tokens``, fleet-wide in flight, its learned model (``rate
-capacity`` or empty) and its prefill ends still ahead (space-separated); then each slot."""
+"""One round trip (see :class:`SyncArgs`). Returns ``now``; per instance asked for, one
+space-separated string: ``busy_until``, ``written_tokens``, fleet-wide in flight, then its
+prefill ends still ahead; then each slot."""
 
 REWRITE_SHARE = """
 local old = redis.call('HGETALL', KEYS[2])

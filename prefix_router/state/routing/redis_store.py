@@ -20,8 +20,8 @@ One background task sends everything as one script call per round trip (:mod:`.r
 the writes of the requests routed since the last one, then the reads the waiting requests'
 decisions need (each instance's queue and counts, the index slots of their blocks). The
 requests are then decided in order in Python, each seeing the ones before it, and their
-writes ride on the next round trip (sent at once, whether or not a request waits). So a
-request waits for one round trip, however many share it.
+writes ride on the next round trip (within ``WRITE_DELAY_S``, whether or not a request
+waits). So a request waits for one round trip, however many share it.
 
 Replicas see each other's decisions one round trip late, so two may both send a request
 to an instance that one alone would have considered full: the bounds are soft by that
@@ -47,7 +47,7 @@ from dataclasses import dataclass
 import redis.asyncio as aioredis
 from redis.exceptions import RedisError
 
-from prefix_router.core.decision import Decision, Outcome
+from prefix_router.core.decision import Decision, Load, Outcome
 from prefix_router.core.index import (
     ENTRY_BYTES,
     SLOT_BYTES,
@@ -65,6 +65,9 @@ log = logging.getLogger("prefix_router.state.routing")
 
 HEARTBEAT_S = 1.0
 HEARTBEAT_TTL_S = 3.0
+WRITE_DELAY_S = 0.002
+"""Longest a write (a release, a routed request's index entries and counts) waits for a
+round trip to ride on; other replicas see it that much later at most."""
 
 
 @dataclass(slots=True)
@@ -98,6 +101,7 @@ class RedisStore:
         self.share_key = f"{namespace}inflight:{self.replica}"
         self.replicas_key = f"{namespace}replicas"
         self.alive_key = f"{namespace}alive:{self.replica}"
+        self.models_key = f"{namespace}models"
         self._sync = client.register_script(SYNC)
         self._rewrite = client.register_script(REWRITE_SHARE)
         self._reap = client.register_script(REAP)
@@ -111,6 +115,9 @@ class RedisStore:
         self._in_doubt = False
         self._tasks: list[asyncio.Task[None]] = []
         self._last_keys: list[str] = []
+        self._write_timer: asyncio.TimerHandle | None = None
+        self._learned: dict[str, InstanceModel] = {}
+        """The instance models the control plane learned, re-read with every heartbeat."""
         """KEYS of the last table's round trip, for one that carries only writes."""
 
     @classmethod
@@ -153,7 +160,6 @@ class RedisStore:
             f"{ns}spills",
             f"{ns}index:{table.rule.slots_log2}",
             f"{ns}work",
-            f"{ns}models",
         ]
 
     async def route(self, key: PrefixKey, table: RoutingTable, request_id: str = "") -> Routed:
@@ -168,7 +174,7 @@ class RedisStore:
         if self._local[instance_id] > 0:
             self._local[instance_id] -= 1
             self._next.releases.append(instance_id)
-            self._wake.set()
+            self._wake_soon()
 
     async def in_flight(self) -> dict[str, int]:
         raw = await self.redis.hgetall(self.fleet_key)
@@ -187,6 +193,7 @@ class RedisStore:
             table = waiting[-1].table if waiting else None
             if table is not None:
                 args.instances = table.ids
+                args.keep = table.rule.threshold
                 args.slots = sorted(
                     {locate(b, table.rule.slots_log2)[0] for w in waiting for b in w.key.blocks}
                 )
@@ -214,12 +221,24 @@ class RedisStore:
             if table is not None and reply is not None:
                 self._decide(waiting, table, args, reply)
             if self._next:
-                self._wake.set()
+                self._wake_soon()
+
+    def _wake_soon(self) -> None:
+        """Send the pending writes within ``WRITE_DELAY_S``: with the next request's read if
+        one comes sooner (one round trip for both), on their own otherwise."""
+        if self._write_timer is None or self._write_timer.cancelled():
+            self._write_timer = asyncio.get_running_loop().call_later(
+                WRITE_DELAY_S, self._timed_wake
+            )
+
+    def _timed_wake(self) -> None:
+        self._write_timer = None
+        self._wake.set()
 
     def _decide(
         self, waiting: list[_Waiting], table: RoutingTable, args: SyncArgs, reply: list[bytes]
     ) -> None:
-        view = _BatchView(table, args, reply)
+        view = _BatchView(table, args, reply, self._learned)
         for w in waiting:
             if w.future.done():  # the caller gave up waiting and routed on its own
                 continue
@@ -230,7 +249,7 @@ class RedisStore:
             decision, ring_order = table.decide(w.key, view)
             chosen = table.ids[decision.instance]
             rate = view.model(decision.instance).prefill_tokens_per_s
-            view.record(decision, rate)
+            view.record(decision, rate, table.rule.threshold)
             self._next.writes += decision.index_writes
             home = "" if decision.home is None else table.ids[decision.home]
             self._next.admits.append(
@@ -262,7 +281,9 @@ class RedisStore:
         async with self.redis.pipeline(transaction=False) as pipe:
             pipe.set(self.alive_key, b"1", px=int(HEARTBEAT_TTL_S * 1000))
             pipe.sadd(self.replicas_key, self.replica)
-            await pipe.execute()
+            pipe.hgetall(self.models_key)
+            *_, models = await pipe.execute()
+        self._learned = {_text(k): _model(v) for k, v in models.items()}
         await self._reap(keys=[self.fleet_key, self.replicas_key], args=[self.namespace])
         if self._in_doubt:
             self._wake.set()
@@ -305,39 +326,48 @@ class _BatchView:
 
     __slots__ = ("now", "_table", "_slots", "_work", "_in_flight", "_models", "_total")
 
-    def __init__(self, table: RoutingTable, args: SyncArgs, reply: list[bytes]) -> None:
+    def __init__(
+        self,
+        table: RoutingTable,
+        args: SyncArgs,
+        reply: list[bytes],
+        learned: dict[str, InstanceModel],
+    ) -> None:
         self.now = float(reply[0])
         self._table = table
         self._work: list[InstanceWork] = []
         self._in_flight: list[int] = []
-        self._models: list[InstanceModel] = []
-        pos = 1
-        for _ in args.instances:
-            busy, written, in_flight, model, ends = reply[pos : pos + 5]
-            pos += 5
-            self._work.append(
-                InstanceWork(
-                    busy_until=float(busy),
-                    ends=tuple(float(e) for e in ends.split()),
-                    written_tokens=float(written),
-                )
-            )
+        for raw in reply[1 : 1 + len(args.instances)]:
+            busy, written, in_flight, *ends = raw.split()
+            self._work.append(InstanceWork(float(busy), tuple(map(float, ends)), float(written)))
             self._in_flight.append(max(0, int(in_flight)))
-            self._models.append(_model(model, table.default_model))
+        default = table.default_model
+        self._models = [
+            InstanceModel(
+                m.prefill_tokens_per_s or default.prefill_tokens_per_s,
+                m.kv_cache_tokens or default.kv_cache_tokens,
+            )
+            if (m := learned.get(i))
+            else default
+            for i in args.instances
+        ]
         self._total = sum(self._in_flight)
-        self._slots = dict(zip(args.slots, reply[pos:], strict=True))
+        self._slots = dict(zip(args.slots, reply[1 + len(args.instances) :], strict=True))
 
     def slot(self, slot: int) -> bytes:
         return self._slots[slot]
 
-    def work(self, instance: int) -> InstanceWork:
-        return self._work[instance]
-
     def model(self, instance: int) -> InstanceModel:
         return self._models[instance]
 
-    def in_flight(self, instance: int) -> int:
-        return self._in_flight[instance]
+    def load(self, instance: int) -> Load:
+        work, now = self._work[instance], self.now
+        return (
+            work.backlog_s(now),
+            work.waiting(now),
+            self._in_flight[instance],
+            self._models[instance].prefill_tokens_per_s,
+        )
 
     def total_in_flight(self) -> int:
         return self._total
@@ -350,7 +380,7 @@ class _BatchView:
             self._work[instance].written_tokens, self._models[instance].kv_cache_tokens
         )
 
-    def record(self, decision: Decision, rate: float) -> None:
+    def record(self, decision: Decision, rate: float, keep: int) -> None:
         for write in decision.index_writes:
             self._slots[write.slot] = apply(self._slots[write.slot], write)
         i = decision.instance
@@ -360,21 +390,19 @@ class _BatchView:
             prefill_tokens=decision.prefill_tokens,
             written_tokens=decision.written_tokens,
             rate=rate,
+            keep=keep,
         )
         self._in_flight[i] += 1
         self._total += 1
 
 
-def _model(raw: bytes, default: InstanceModel) -> InstanceModel:
-    """A learned ``rate capacity`` pair (0: not learned), the default for what is not."""
+def _model(raw: bytes) -> InstanceModel:
+    """A learned ``rate capacity`` pair; 0 (or unreadable) where nothing was learned."""
     try:
-        rate, capacity = (float(x) for x in raw.split())
+        rate, capacity = (max(0.0, float(x)) for x in raw.split())
     except ValueError:
-        return default
-    return InstanceModel(
-        prefill_tokens_per_s=rate if rate > 0 else default.prefill_tokens_per_s,
-        kv_cache_tokens=capacity if capacity > 0 else default.kv_cache_tokens,
-    )
+        return InstanceModel(0.0, 0.0)
+    return InstanceModel(prefill_tokens_per_s=rate, kv_cache_tokens=capacity)
 
 
 def _text(value: bytes | str) -> str:
