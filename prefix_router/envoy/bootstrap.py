@@ -19,11 +19,13 @@ from string import Template
 from typing import Any
 
 from prefix_router.core.config import RouterConfig
+from prefix_router.core.errors import ConfigError
 from prefix_router.core.fleet import Fleet
 from prefix_router.envoy.addresses import is_ip_literal, names_in, resolve_now
 from prefix_router.envoy.cluster import MODEL_CLUSTER, circuit_breakers, model_cluster
 
 XDS_CLUSTER = "xds"
+MIN_GRPC_CLIENT_IDLE_S = 5
 EXT_PROC_CLUSTER = "ext_proc"
 ADMIN_CLUSTER = "envoy_admin"
 PROBE_LISTENER = "probes"
@@ -67,6 +69,13 @@ class BootstrapParams:
     """Open client connections Envoy keeps; more are closed at once. None: half the
     open-file limit of the process that renders the bootstrap (Envoy's, when it starts
     Envoy), since a request in flight holds a client and an upstream connection."""
+    graceful_close: bool = True
+    """Envoy half-closes each ext_proc stream at the request's end instead of resetting it
+    (runtime flag ``ext_proc_graceful_grpc_close``; see the bootstrap). Off only to measure."""
+    grpc_client_idle_s: int = 50
+    """Envoy's ``max_cached_entry_idle_duration``: a worker drops its cached gRPC client
+    for the ext_proc cluster after this many seconds without starting a stream (Envoy's
+    default 50; its minimum 5)."""
 
 
 def default_max_downstream_connections() -> int:
@@ -254,6 +263,11 @@ def render_bootstrap(
     params: BootstrapParams, config: RouterConfig, fleet: Fleet | None = None
 ) -> str:
     """The bootstrap YAML. ``fleet`` is required for a static fleet, ignored with xDS."""
+    if params.grpc_client_idle_s < MIN_GRPC_CLIENT_IDLE_S:
+        raise ConfigError(
+            f"grpc_client_idle_s must be at least {MIN_GRPC_CLIENT_IDLE_S} (Envoy's minimum), "
+            f"got {params.grpc_client_idle_s}"
+        )
     ext_proc = _static_cluster(EXT_PROC_CLUSTER, params.ext_proc, http2=True)
     ext_proc["circuit_breakers"] = circuit_breakers(config)
     clusters = [ext_proc]
@@ -314,4 +328,6 @@ def render_bootstrap(
         static_clusters_json=json.dumps(clusters),
         probe_listener="" if probes is None else f"  - {json.dumps(probes)}",
         dynamic_resources=dynamic,
+        grpc_client_idle=f"{params.grpc_client_idle_s}s",
+        graceful_close="true" if params.graceful_close else "false",
     )
