@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import asyncio
 import subprocess
+from dataclasses import replace
 from pathlib import Path
 from typing import Any
 
@@ -12,7 +13,9 @@ import psutil
 import pytest
 import yaml
 
+from prefix_router.core.config import RouterConfig
 from prefix_router.core.errors import ConfigError
+from prefix_router.envoy.bootstrap import BootstrapParams, render_bootstrap
 from prefix_router.ops.bootstrap_cli import build, main, parse_host_port
 from prefix_router.ops.cli import main as cli_main
 from prefix_router.ops.launch import start_envoy, start_ext_proc, start_module
@@ -146,6 +149,29 @@ def test_cli_prints_to_stdout(capsys: pytest.CaptureFixture[str]) -> None:
     assert cli_main(["envoy-bootstrap", *CONTAINER_ARGS]) == 0
     assert _clusters(yaml.safe_load(capsys.readouterr().out))["xds"]["type"] == "STRICT_DNS"
     assert cli_main(["envoy-bootstrap", "--ext-proc", "a:1"]) == 2  # ConfigError -> exit 2
+
+
+def test_envoy_keeps_its_ext_proc_client_far_longer_than_any_request(tmp_path: Path) -> None:
+    """Issue 19: Envoy 1.40 crashes when an ext_proc stream outlives the worker's cached gRPC
+    client (Envoy's default idle time 50 s); the bootstrap keeps it at least a day, with
+    graceful close on (tests/test_long_responses.py shows both through Envoy)."""
+    doc = _render(tmp_path, CONTAINER_ARGS)
+    idle = doc["grpc_async_client_manager_config"]["max_cached_entry_idle_duration"]
+    assert idle.endswith("s") and int(idle[:-1]) >= 24 * 3600
+    runtime = doc["layered_runtime"]["layers"][0]["static_layer"]
+    assert runtime["envoy.reloadable_features.ext_proc_graceful_grpc_close"] is True
+
+
+def test_a_client_idle_time_below_envoys_minimum_is_a_config_error() -> None:
+    params = BootstrapParams(
+        listen_port=1, admin_port=2, ext_proc=(("127.0.0.1", 3),), xds=("127.0.0.1", 4),
+        grpc_client_idle_s=4,
+    )  # fmt: skip
+    with pytest.raises(ConfigError, match="at least 5"):
+        render_bootstrap(params, RouterConfig())
+    assert "max_cached_entry_idle_duration: 5s" in render_bootstrap(
+        replace(params, grpc_client_idle_s=5), RouterConfig()
+    )
 
 
 def test_envoy_accepts_the_container_bootstrap(tmp_path: Path) -> None:

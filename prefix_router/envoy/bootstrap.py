@@ -72,10 +72,11 @@ class BootstrapParams:
     graceful_close: bool = True
     """Envoy half-closes each ext_proc stream at the request's end instead of resetting it
     (runtime flag ``ext_proc_graceful_grpc_close``; see the bootstrap). Off only to measure."""
-    grpc_client_idle_s: int = 50
+    grpc_client_idle_s: int = 7 * 24 * 3600
     """Envoy's ``max_cached_entry_idle_duration``: a worker drops its cached gRPC client
-    for the ext_proc cluster after this many seconds without starting a stream (Envoy's
-    default 50; its minimum 5)."""
+    for the ext_proc cluster after this many seconds without starting a stream. Envoy 1.40
+    crashes when a stream outlives that client (see the bootstrap), so the default is far
+    above any request; tests set it low (Envoy's minimum is 5) to reproduce the crash."""
 
 
 def default_max_downstream_connections() -> int:

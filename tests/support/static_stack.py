@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import json
 from collections.abc import Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from pathlib import Path
 
 from prefix_router.core.config import RouterConfig
@@ -42,8 +42,14 @@ def start_static_stack(
     sim_args: Sequence[str] | None = None,
     ext_proc_args: Sequence[str] = (),
     max_downstream_connections: int | None = None,
+    envoy_concurrency: int = 2,
+    grpc_client_idle_s: int | None = None,
 ) -> StaticStack:
-    """Backends are echo servers, or simulated vLLM instances when ``sim_args`` is given."""
+    """Backends are echo servers, or simulated vLLM instances when ``sim_args`` is given.
+
+    ``grpc_client_idle_s``: Envoy drops a worker's cached ext_proc client after this long
+    without a new stream (None: the bootstrap's default); with ``envoy_concurrency`` 1
+    every stream is on the one worker (tests/test_long_responses.py)."""
     config = config or RouterConfig()
     ports = [free_port() for _ in range(backends)]
     weights = weights or [1] * backends
@@ -80,7 +86,11 @@ def start_static_stack(
         ext_proc=tuple(("127.0.0.1", p) for p in stack.ext_proc_ports),
         max_downstream_connections=max_downstream_connections,
     )
-    stack.envoy = procs.add(start_envoy(params, config, log_dir, fleet=fleet))
+    if grpc_client_idle_s is not None:
+        params = replace(params, grpc_client_idle_s=grpc_client_idle_s)
+    stack.envoy = procs.add(
+        start_envoy(params, config, log_dir, fleet=fleet, concurrency=envoy_concurrency)
+    )
     stack.url = f"http://127.0.0.1:{listen_port}"
     return stack
 
