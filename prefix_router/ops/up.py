@@ -512,14 +512,23 @@ class Stack:
 _FLEET_FILE_KEYS = ("address", "port", "weight", "models", "hash_key")
 
 
-def supervise(stack: Stack, stop: threading.Event, *, poll_s: float = 0.1) -> None:
-    """Restart whatever exits until ``stop`` is set; print each event and keep the
-    control plane's report (through Redis) current."""
+def supervise(
+    stack: Stack,
+    stop: threading.Event,
+    *,
+    poll_s: float = 0.1,
+    backoff: Backoff | None = None,
+    on_event: Callable[[Event], None] | None = None,
+) -> None:
+    """Restart whatever exits until ``stop`` is set; print each event (and hand it to
+    ``on_event``) and keep the control plane's report (through Redis) current."""
 
-    def on_event(event: Event) -> None:
+    def print_event(event: Event) -> None:
         print(event.message(), file=sys.stderr, flush=True)
+        if on_event is not None:
+            on_event(event)
 
-    supervisor = stack.supervisor(backoff=Backoff(), on_event=on_event)
+    supervisor = stack.supervisor(backoff=backoff or Backoff(), on_event=print_event)
     publisher = (
         ReportPublisher(stack.redis_url, stack.settings.namespace)
         if stack.redis_url is not None
