@@ -323,7 +323,6 @@ class ControlPlaneCollector:
                 ttft.add_metric([quantile], value)
         yield ttft
 
-
     def _supervision(self, snap: FleetSnapshot) -> Iterator[Metric]:
         report = snap.supervision
         if report is None:  # not run by ``prefix-router up``
