@@ -30,7 +30,6 @@ from collections.abc import Callable, Sequence
 from dataclasses import dataclass, field
 from enum import Enum
 
-from prefix_router.core.errors import StartupError
 from prefix_router.ops.procs import ManagedProcess
 from prefix_router.state.supervision import (
     KEEP_EVENTS,
@@ -147,6 +146,14 @@ class Component:
     last_exit: Exit | None = None
 
 
+def _probe(c: Component) -> bool:
+    """The component's probe; one that raises says "not yet", it never stops the loop."""
+    try:
+        return c.ready()
+    except Exception:  # noqa: BLE001
+        return False
+
+
 def _tail(proc: ManagedProcess) -> str:
     return proc.tail(TAIL_LINES)[-TAIL_CHARS:]
 
@@ -186,7 +193,7 @@ class Supervisor:
         if status is not None:
             return self._exited(c, now, status.describe())
         if c.state is State.STARTING:
-            if c.ready():
+            if _probe(c):
                 c.state, c.serving_since = State.RUNNING, now
                 down_s = now - (c.down_since if c.down_since is not None else now)
                 c.down_since = None
@@ -221,7 +228,7 @@ class Supervisor:
         c.restarts += 1
         try:
             c.proc = c.spawn()
-        except (StartupError, OSError) as exc:
+        except Exception as exc:  # the supervisor outlives any failure to start one process
             c.proc = c.proc.clone()  # not started: its exit is the failed start
             c.started = now
             return self._exited(c, now, f"could not start: {exc}")
