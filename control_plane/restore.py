@@ -10,11 +10,11 @@ where a document is absent, so several replicas restoring at once, or an admin
 change made meanwhile, are safe). Readers ignore the absent documents in the
 meantime (:func:`~prefix_router.state.store.watch_state`).
 
-What is not restored: the audit log before the loss, and the load store's keys
-(in-flight counts, decision counts, spills, placements), which the ext_proc
-replicas rebuild as they go (each rewrites its exact share of the in-flight
-counts after a failed round trip; releases of requests counted before the loss
-never take a count below zero).
+What is not restored: the audit log before the loss, and the routing state's
+keys (in-flight counts, decision counts, spills, the prefix index, prefill
+queues), which the ext_proc replicas rebuild as they go (each rewrites its exact
+share of the in-flight counts after a failed round trip; releases of requests
+counted before the loss never take a count below zero).
 """
 
 from __future__ import annotations
