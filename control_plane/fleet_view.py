@@ -11,7 +11,10 @@ admin API's ``GET /fleet`` (the status page) and the ``/metrics`` collector:
 * :meth:`FleetView.refresh` reads the shared state (fleet, config) and the load
   store's in-flight counts, decision counts and recent spills from Redis
   (:mod:`control_plane.loads_view`); the admin routes call it on every request,
-  so a config or fleet change shows at once, not at the next scrape.
+  so a config or fleet change shows at once, not at the next scrape;
+* with it, the report of ``prefix-router up``'s supervisor, when there is one
+  (:mod:`prefix_router.state.supervision`): each process, its restarts and the
+  recent exits, for the status page's process table and the restart metrics.
 
 Rates are over a sliding window (``window_s``, default 60 s): the change of
 each counter between the oldest and the newest reading inside the window.
@@ -57,6 +60,7 @@ from prefix_router.core.decision import DecisionRule, in_flight_bound
 from prefix_router.core.fleet import Instance
 from prefix_router.core.table import RoutingTable
 from prefix_router.state.store import State, StateError, StateStore
+from prefix_router.state.supervision import SupervisionReport, read_report
 
 log = logging.getLogger("prefix_router.control_plane.fleet")
 
@@ -159,6 +163,8 @@ class FleetSnapshot:
     spills: tuple[dict[str, Any], ...]
     loads_error: str | None
     state_error: str | None
+    supervision: SupervisionReport | None = None
+    """``prefix-router up``'s processes; ``None`` when not run by ``up``."""
 
     def to_json_dict(self) -> dict[str, Any]:
         return asdict(self)
@@ -276,6 +282,7 @@ class FleetView:
         self.state: State | None = None
         self.state_error: str | None = "not read yet"
         self.loads = LoadsReading(error="not read yet")
+        self.supervision: SupervisionReport | None = None
         self.scrapes: dict[str, Scrape] = {}
         self.windows: dict[str, Window[VllmReading]] = {}
         self.decisions: Window[tuple[int, int]] = Window(window_s)
@@ -299,6 +306,14 @@ class FleetView:
             spills=self.recent_spills,
             timeout_s=self.redis_timeout_s,
         )
+        if self.loads.available:  # else Redis is down: keep the last report
+            try:
+                async with asyncio.timeout(self.redis_timeout_s):
+                    self.supervision = await read_report(
+                        self.store.redis, self.store.keys.namespace
+                    )
+            except TimeoutError:
+                pass
 
     def learned_models(self) -> dict[str, str]:
         """What the instances' metrics taught of them, as ``rate capacity`` strings (0 where
@@ -449,4 +464,5 @@ class FleetView:
             spills=loads.spills,
             loads_error=loads.error,
             state_error=self.state_error,
+            supervision=self.supervision,
         )

@@ -13,7 +13,9 @@ by one custom collector, from what the process already holds:
 * the fleet view (:class:`~control_plane.fleet_view.FleetView`): each
   instance's vLLM prefix-cache counters, hit rate, TTFT quantiles, running and
   waiting requests and KV usage, fleet-wide hit rate and TTFT, and each
-  instance's share of the ring's key space.
+  instance's share of the ring's key space;
+* under ``prefix-router up``, its supervisor's report (through Redis): each
+  process's restarts and whether it runs now.
 
 ``*_ratio`` gauges are fractions in [0, 1]; windowed ones are over the fleet
 view's window (``--fleet-window``, 60 s). A value that is unknown (no traffic
@@ -67,6 +69,8 @@ METRIC_NAMES: dict[str, str] = {
     "requests_waiting": "gauge",
     "kv_cache_usage_ratio": "gauge",
     "fleet_scrape_duration_seconds": "gauge",
+    "component_restarts_total": "counter",
+    "component_up": "gauge",
 }
 
 QUANTILES = (("0.5", "p50"), ("0.99", "p99"))
@@ -110,6 +114,7 @@ class ControlPlaneCollector:
         yield from self._loads(snap)
         yield from self._instances(snap)
         yield from self._fleet(snap)
+        yield from self._supervision(snap)
 
     def _xds(self) -> Iterator[Metric]:
         pushes = _family(
@@ -317,6 +322,27 @@ class ControlPlaneCollector:
             if value is not None:
                 ttft.add_metric([quantile], value)
         yield ttft
+
+    def _supervision(self, snap: FleetSnapshot) -> Iterator[Metric]:
+        report = snap.supervision
+        if report is None:  # not run by ``prefix-router up``
+            return
+        restarts = _family(
+            "component_restarts_total",
+            "Restarts of a process of the stack by prefix-router up's supervisor "
+            "(it exited unexpectedly; the reason is on the status page and in up's output).",
+            ["component"],
+        )
+        up = _family(
+            "component_up",
+            "1 if the process runs (serving, as far as up's supervisor knows), "
+            "0 while it is down or restarting.",
+            ["component"],
+        )
+        for component in report.components:
+            restarts.add_metric([component.name], component.restarts)
+            up.add_metric([component.name], 1.0 if component.state == "running" else 0.0)
+        yield from (restarts, up)
 
 
 def render(collector: ControlPlaneCollector) -> bytes:

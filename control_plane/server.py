@@ -5,7 +5,8 @@
 1. seed Redis from ``--fleet`` / ``--config`` where the namespace is empty
    (Redis is the source of truth: a restart comes back with the live state);
 2. follow the shared state (pub/sub + periodic re-read) and publish one
-   checked snapshot per version to every Envoy over ADS;
+   checked snapshot per version to every Envoy over ADS; write it back if
+   Redis loses it (restarted empty: ``control_plane.restore``);
 3. run the drainer, the health probe and the fleet view (each instance's
    vLLM ``/metrics``, every ``--fleet-scrape-interval`` seconds);
 4. serve the admin API (uvicorn; also ``/metrics``, ``/fleet`` and the status
@@ -43,6 +44,7 @@ from control_plane.drain import Drainer
 from control_plane.fleet_view import FleetView
 from control_plane.health import HealthProber
 from control_plane.publisher import Publisher, keep_names_resolved
+from control_plane.restore import StateKeeper
 from control_plane.service import AdminService
 from prefix_router.core.config import RouterConfig, load_config_file, parse_config
 from prefix_router.core.errors import ConfigError, FleetError, StartupError
@@ -214,6 +216,9 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             name="watch_state",
         ),
         asyncio.create_task(drainer.run(stop), name="drainer"),
+        asyncio.create_task(
+            StateKeeper(store, interval_s=settings.watch_interval_s).run(stop), name="state-keeper"
+        ),
         asyncio.create_task(keep_names_resolved(publisher, stop), name="resolve_names"),
     ]
     if settings.health_probe:

@@ -6,12 +6,12 @@ from __future__ import annotations
 from collections import defaultdict
 from pathlib import Path
 
-import psutil
 import pytest
 
 from bench.results import RunResult
 from bench.workloads import generate
 from prefix_router.ops.cli import main
+from tests.support.processes import children, kill_with_groups, new_since
 
 pytestmark = pytest.mark.e2e
 
@@ -22,14 +22,17 @@ WORKLOAD = ["--workload", "system-prompt",
 
 
 def test_bench_run_round_robin_and_prefix_through_the_real_stack(tmp_path: Path) -> None:
-    before = {p.pid for p in psutil.Process().children(recursive=True)}
-    code = main(["bench", "run", *WORKLOAD, "--policies", "round-robin,prefix",
-                 "--instances", "2", "--time-scale", "20", "--ext-procs", "1",
-                 "--max-duration", "120", "--out", str(tmp_path),
-                 "--work-dir", str(tmp_path / "work")])
+    before = children()
+    try:
+        code = main(["bench", "run", *WORKLOAD, "--policies", "round-robin,prefix",
+                     "--instances", "2", "--time-scale", "20", "--ext-procs", "1",
+                     "--max-duration", "120", "--out", str(tmp_path),
+                     "--work-dir", str(tmp_path / "work")])
+    finally:
+        left = new_since(before)  # on every path: none may outlive the run, nor this test
+        kill_with_groups(left)
     assert code == 0
-    left = {p.pid for p in psutil.Process().children(recursive=True)} - before
-    assert left == set(), "every process the benchmark started must be stopped"
+    assert left == [], "every process the benchmark started must be stopped"
 
     rr = RunResult.load(tmp_path / "system-prompt" / "live-round-robin.json")
     prefix = RunResult.load(tmp_path / "system-prompt" / "live-prefix.json")

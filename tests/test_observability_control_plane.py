@@ -14,6 +14,7 @@ from dataclasses import dataclass
 
 import httpx
 import pytest
+import redis
 from envoy.config.core.v3 import base_pb2
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -30,8 +31,10 @@ from prefix_router.core.key import extract_key
 from prefix_router.core.table import RoutingTable
 from prefix_router.state.routing.redis_store import RedisStore
 from prefix_router.state.store import StateStore
+from prefix_router.state.supervision import write_report
 from tests.conftest import REDIS_URL
 from tests.support.redis_ns import fresh_store
+from tests.support.supervision import REPORT
 from vllm_sim import SimInstance, make_config
 from vllm_sim import create_app as create_sim_app
 
@@ -146,7 +149,19 @@ async def test_fleet_view_reads_every_instance_and_the_load_store(fleetside: Fle
     assert snap.fleet.hit_rate == pytest.approx(a.hit_rate)  # only A served in the window
     assert snap.loads_error is None and snap.state_error is None
 
+    assert snap.supervision is None  # not run by prefix-router up: no process table
+    assert (
+        "component_restarts" not in render(ControlPlaneCollector(f.view, ClientRegistry())).decode()
+    )
+
     # with every source present, every declared metric is exported
+    sync = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+    try:
+        write_report(sync, f.store.keys.namespace, REPORT)
+    finally:
+        sync.close()
+    await f.view.refresh()
+    assert f.view.snapshot().supervision == REPORT
     clients = ClientRegistry()
     node = base_pb2.Node(id="envoy-0")
     clients.on_response(1, node, CLUSTER_TYPE, "1.1")
@@ -156,6 +171,18 @@ async def test_fleet_view_reads_every_instance_and_the_load_store(fleetside: Fle
     families = {fam.name for fam in text_string_to_metric_families(text)}
     declared = {PREFIX + name.removesuffix("_total") for name in METRIC_NAMES}
     assert families == declared
+    samples = {
+        (sample.name, sample.labels.get("component")): sample.value
+        for family in text_string_to_metric_families(text)
+        for sample in family.samples
+        if sample.labels.get("component")
+    }
+    assert samples == {
+        (PREFIX + "component_restarts_total", "redis"): 0,
+        (PREFIX + "component_restarts_total", "envoy"): 2,
+        (PREFIX + "component_up", "redis"): 1,
+        (PREFIX + "component_up", "envoy"): 0,
+    }
 
 
 async def test_admin_routes_fleet_metrics_and_page(fleetside: Fleetside) -> None:

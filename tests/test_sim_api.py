@@ -36,9 +36,11 @@ REPO = Path(__file__).resolve().parents[1]
 async def sim() -> AsyncIterator[tuple[SimInstance, httpx.AsyncClient]]:
     instance = SimInstance(make_config(time_scale=FAST, lora_modules=("lora-a",)), name="sim-a")
     transport = httpx.ASGITransport(app=create_app(instance))
-    async with httpx.AsyncClient(transport=transport, base_url="http://sim") as client:
-        yield instance, client
-    await instance.stop()
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://sim") as client:
+            yield instance, client
+    finally:
+        await instance.stop()
 
 
 def openai_client(client: httpx.AsyncClient) -> AsyncOpenAI:
@@ -257,10 +259,13 @@ async def test_multi_mib_bodies(sim: tuple[SimInstance, httpx.AsyncClient]) -> N
     assert response.status_code == 400 and "maximum context length" in response.text
     instance = SimInstance(make_config(time_scale=FAST, max_model_len=1 << 20), name="big")
     transport = httpx.ASGITransport(app=create_app(instance))
-    async with httpx.AsyncClient(transport=transport, base_url="http://sim") as big:
-        body = {"messages": [{"role": "user", "content": "wxyz" * (3 << 18)}], "max_tokens": 1}
-        response = await big.post("/v1/chat/completions", json=body)  # 3 MiB of content
-    await instance.stop()
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://sim") as big:
+            body = {"messages": [{"role": "user", "content": "wxyz" * (3 << 18)}],
+                    "max_tokens": 1}
+            response = await big.post("/v1/chat/completions", json=body)  # 3 MiB of content
+    finally:
+        await instance.stop()
     assert response.status_code == 200
     # content + "<|user|>\n" (3 tokens) + "\n" (1) + "<|assistant|>\n" (4)
     assert response.json()["usage"]["prompt_tokens"] == (3 << 18) + 3 + 1 + 4
@@ -286,9 +291,11 @@ def test_fuzzed_bodies_never_get_a_500(path: str, body: dict[str, Any]) -> None:
     async def one() -> int:
         instance = SimInstance(make_config(time_scale=FAST, num_gpu_blocks=4096), name="fuzz")
         transport = httpx.ASGITransport(app=create_app(instance))
-        async with httpx.AsyncClient(transport=transport, base_url="http://sim") as client:
-            response = await client.post(path, content=orjson.dumps(body))
-        await instance.stop()
+        try:
+            async with httpx.AsyncClient(transport=transport, base_url="http://sim") as client:
+                response = await client.post(path, content=orjson.dumps(body))
+        finally:
+            await instance.stop()
         return response.status_code
 
     assert asyncio.run(one()) in (200, 400, 404)
@@ -327,19 +334,21 @@ async def test_fault_injection(sim: tuple[SimInstance, httpx.AsyncClient]) -> No
 async def test_state_shows_requests_in_flight() -> None:
     instance = SimInstance(make_config(time_scale=20.0), name="slowish")
     transport = httpx.ASGITransport(app=create_app(instance))
-    async with httpx.AsyncClient(transport=transport, base_url="http://sim") as client:
-        body = {"prompt": "in flight", "max_tokens": 40, "ignore_eos": True}
-        calls = [asyncio.ensure_future(client.post("/v1/completions", json=body))
-                 for _ in range(3)]
-        seen = 0
-        for _ in range(200):
-            seen = max(seen, (await client.get("/sim/state")).json()["running"])
-            if seen == 3:
-                break
-            await asyncio.sleep(0.005)
-        responses = await asyncio.gather(*calls)
-        final = (await client.get("/sim/state")).json()
-    await instance.stop()
+    try:
+        async with httpx.AsyncClient(transport=transport, base_url="http://sim") as client:
+            body = {"prompt": "in flight", "max_tokens": 40, "ignore_eos": True}
+            calls = [asyncio.ensure_future(client.post("/v1/completions", json=body))
+                     for _ in range(3)]
+            seen = 0
+            for _ in range(200):
+                seen = max(seen, (await client.get("/sim/state")).json()["running"])
+                if seen == 3:
+                    break
+                await asyncio.sleep(0.005)
+            responses = await asyncio.gather(*calls)
+            final = (await client.get("/sim/state")).json()
+    finally:
+        await instance.stop()
     assert seen == 3
     assert [r.status_code for r in responses] == [200, 200, 200]
     assert final["running"] == 0 and final["finished"] == {"length": 3}
@@ -393,6 +402,7 @@ def test_cli_serves_instances_in_a_subprocess_and_stops_on_sigterm() -> None:
         [sys.executable, "-m", "vllm_sim", "--instances", "2", "--base-port", "0",
          "--time-scale", "1000", "--model", "test-model"],
         stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+        start_new_session=True,  # its own group: stopped whole below, on every path
     )
     try:
         lines = _read_ready_lines(proc, 2)
@@ -411,8 +421,9 @@ def test_cli_serves_instances_in_a_subprocess_and_stops_on_sigterm() -> None:
         proc.send_signal(signal.SIGTERM)
         assert proc.wait(timeout=15) == 0
     finally:
-        if proc.poll() is None:
-            proc.kill()
+        if proc.returncode is None:  # not reaped: the group id is still ours
+            with contextlib.suppress(ProcessLookupError):
+                os.killpg(proc.pid, signal.SIGKILL)
             proc.wait(timeout=5)
         for pipe in (proc.stdout, proc.stderr):
             if pipe is not None:

@@ -2,24 +2,21 @@
 
 from __future__ import annotations
 
-import json
 import os
 import re
-import signal
-import subprocess
+import socket
 import sys
-import time
-import urllib.request
 import uuid
 from pathlib import Path
 
-import psutil
+import httpx
 import pytest
 
 from prefix_router.core.errors import ConfigError
 from prefix_router.ops.procs import free_port
 from prefix_router.ops.up import resolve_settings
 from tests.conftest import REDIS_URL
+from tests.support.processes import UpProcess, run_group, run_up
 
 pytestmark = pytest.mark.e2e
 
@@ -43,20 +40,28 @@ def test_invalid_settings_are_one_clear_message(tmp_path: Path) -> None:
         resolve_settings(["--config", str(bad)], {})
 
 
-def descendants(pid: int) -> set[int]:
-    try:
-        return {p.pid for p in psutil.Process(pid).children(recursive=True)}
-    except psutil.NoSuchProcess:
-        return set()
+def chat(client: httpx.Client, port: int) -> httpx.Response:
+    body = {
+        "model": "meta-llama/Llama-3.1-70B-Instruct",
+        "max_tokens": 2,
+        "messages": [{"role": "user", "content": "hi"}],
+    }
+    return client.post(f"http://127.0.0.1:{port}/v1/chat/completions", json=body)
 
 
-def test_up_serves_then_sigterm_leaves_no_process_behind(tmp_path: Path) -> None:
+def in_time_wait(port: int) -> bool:
+    """A plain bind (no SO_REUSEADDR) fails: a connection on ``port`` is in TIME_WAIT."""
+    with socket.socket() as probe:
+        try:
+            probe.bind(("127.0.0.1", port))
+        except OSError:
+            return True
+        return False
+
+
+def test_up_serves_stops_cleanly_and_starts_again_at_once(tmp_path: Path) -> None:
     ports = {name: free_port() for name in ("port", "admin-port", "envoy-admin-port", "xds-port")}
-    argv = [
-        sys.executable,
-        "-m",
-        "prefix_router",
-        "up",
+    args = [
         "--run-dir",
         str(tmp_path / "run"),
         "--instances",
@@ -71,80 +76,45 @@ def test_up_serves_then_sigterm_leaves_no_process_behind(tmp_path: Path) -> None
         f"test-up-{uuid.uuid4().hex[:8]}:",
     ]
     for name, port in ports.items():
-        argv += [f"--{name}", str(port)]
-    out = tmp_path / "up.out"
-    with out.open("wb") as sink:
-        up = subprocess.Popen(argv, stdout=sink, stderr=subprocess.STDOUT, start_new_session=True)
-    children: set[int] = set()
-    try:
-        deadline = time.monotonic() + 90
-        while "prefix-router is up" not in out.read_text() and time.monotonic() < deadline:
-            assert up.poll() is None, out.read_text()
-            time.sleep(0.2)
-        assert "prefix-router is up" in out.read_text(), out.read_text()
-        assert "admin token" in out.read_text()
-        children = descendants(up.pid)
-        assert len(children) >= 4  # sim, control plane, ext_proc, envoy
-        body = json.dumps(
-            {
-                "model": "meta-llama/Llama-3.1-70B-Instruct",
-                "max_tokens": 2,
-                "messages": [{"role": "user", "content": "hi"}],
-            }
-        ).encode()
-        request = urllib.request.Request(
-            f"http://127.0.0.1:{ports['port']}/v1/chat/completions",
-            data=body,
-            headers={"content-type": "application/json"},
-        )
-        with urllib.request.urlopen(request, timeout=10) as r:
-            assert r.status == 200
-        run_readme_examples(out.read_text(), ports["port"], ports["admin-port"])
-        second = subprocess.run(argv, capture_output=True, text=True, timeout=30)
-        assert second.returncode == 2
-        assert "already running" in second.stderr
-        assert len(second.stderr.strip().splitlines()) == 1
-        up.send_signal(signal.SIGTERM)
-        assert up.wait(timeout=30) == 0
-        leftovers = {
-            pid
-            for pid in children
-            if psutil.pid_exists(pid) and psutil.Process(pid).status() != psutil.STATUS_ZOMBIE
-        }
-        assert leftovers == set()
-    finally:
-        if up.poll() is None:
-            os.killpg(up.pid, signal.SIGKILL)
-            up.wait()
-        for pid in children:
-            if psutil.pid_exists(pid):
-                os.kill(pid, signal.SIGKILL)
+        args += [f"--{name}", str(port)]
+    with UpProcess(args, tmp_path / "up.out") as up:
+        banner = up.wait_up()
+        assert "admin token" in banner
+        assert len(up.track()) >= 5  # up, sim, control plane, ext_proc, envoy
+        with httpx.Client(timeout=10) as client:
+            assert chat(client, ports["port"]).status_code == 200
+            run_readme_examples(banner, ports["port"], ports["admin-port"])
+            code, output = run_up(args, tmp_path / "second.out")
+            assert code == 2, output
+            assert output.strip().splitlines() == [
+                f"prefix-router up: already running (pid {up.pid}, lock "
+                f"{tmp_path / 'run' / 'up.lock'}); stop it first"
+            ]
+            # stopped with the client's keep-alive connections open: Envoy closes them,
+            # and they stay in TIME_WAIT on its listener port
+            assert up.terminate() == 0
+        assert up.leftovers() == []
+        assert in_time_wait(ports["port"])
+
+    # started again at once, on the same ports, with real traffic behind it
+    with UpProcess(args, tmp_path / "again.out") as again:
+        again.wait_up()
+        with httpx.Client(timeout=10) as client:
+            assert chat(client, ports["port"]).status_code == 200
+        assert again.terminate() == 0
+        assert again.leftovers() == []
 
 
 def test_a_taken_port_is_a_one_line_error(tmp_path: Path) -> None:
-    import socket
-
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))
         taken.listen()
         port = taken.getsockname()[1]
-        result = subprocess.run(
-            [
-                sys.executable,
-                "-m",
-                "prefix_router",
-                "up",
-                "--run-dir",
-                str(tmp_path / "run"),
-                "--port",
-                str(port),
-            ],
-            capture_output=True,
-            text=True,
-            timeout=30,
+        code, output = run_up(
+            ["--run-dir", str(tmp_path / "run"), "--port", str(port)], tmp_path / "up.out"
         )
-    assert result.returncode == 2
-    assert result.stderr.strip().splitlines() == [
+    assert code == 2
+    assert output.strip().splitlines() == [
         f"prefix-router up: port {port} (--port) is taken: free it or choose another"
     ]
 
@@ -182,19 +152,14 @@ def run_readme_examples(banner: str, port: int, admin_port: int) -> None:
         )
 
     first_request = next(b for b in readme_blocks("sh") if "/v1/chat/completions" in b)
-    answer = subprocess.run(
-        ["bash", "-c", localise(first_request)], capture_output=True, text=True, timeout=30
-    )
+    answer = run_group(["bash", "-c", localise(first_request)], timeout=30)
     assert answer.returncode == 0 and '"choices"' in answer.stdout, answer
     client = readme_blocks("python")[0]
-    printed = subprocess.run(
-        [sys.executable, "-c", localise(client)], capture_output=True, text=True, timeout=60
-    )
+    printed = run_group([sys.executable, "-c", localise(client)], timeout=60)
     assert printed.returncode == 0 and printed.stdout.strip(), printed
     admin = next(b for b in readme_blocks("sh") if "/status" in b)
     for command in admin.replace("\\\n", " ").strip().splitlines():
-        done = subprocess.run(
-            ["bash", "-c", localise(command) + " --fail-with-body -sS"],
-            capture_output=True, text=True, timeout=30, env=env,
-        )  # fmt: skip
+        done = run_group(
+            ["bash", "-c", localise(command) + " --fail-with-body -sS"], timeout=30, env=env
+        )
         assert done.returncode == 0, (command, done.stdout, done.stderr)

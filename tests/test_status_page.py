@@ -13,10 +13,13 @@ from typing import Any
 
 import httpx
 import pytest
+import redis
 
-from tests.conftest import ProcessReaper
+from prefix_router.state.supervision import write_report
+from tests.conftest import REDIS_URL, ProcessReaper
 from tests.support.browser import chromium, wait_for
 from tests.support.running_stack import RunningStack, running_stack
+from tests.support.supervision import REPORT
 
 pytestmark = pytest.mark.e2e
 
@@ -27,6 +30,10 @@ return Array.from(document.querySelectorAll('#instances tbody tr')).map(tr => ({
 }));
 """
 SHARE, LOAD, HIT_RATE, TTFT_P50, SCRAPE = 3, 4, 5, 6, 11
+TABLE = """
+return Array.from(document.querySelectorAll('#ID tbody tr'))
+  .map(tr => Array.from(tr.cells).map(td => td.textContent.trim()));
+"""
 
 
 def rows(driver: Any) -> dict[str, list[str]]:
@@ -132,6 +139,27 @@ def test_status_page_shows_the_fleet_and_follows_changes(
         # it took its share from the others
         assert all(percent(after[i][SHARE]) < percent(before[i][SHARE]) for i in ids)
         wait_for(lambda: rows(driver)[spare][SCRAPE] == "ok", 10, "the new instance is scraped")
+
+        # under prefix-router up, its supervisor's report adds the process table
+        assert not visible(driver, "processes")  # this stack runs without up's supervisor
+        client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
+        try:
+            write_report(client, stack.settings.namespace, REPORT)
+        finally:
+            client.close()
+        wait_for(lambda: visible(driver, "processes"), 10, "the process table is shown")
+        processes = {r[0]: r for r in driver.execute_script(TABLE.replace("ID", "components"))}
+        assert processes["envoy"][1:4] == ["12", "starting", "2"]
+        assert processes["envoy"][4].startswith("killed by SIGSEGV (core dumped) at ")
+        assert processes["redis"][1:5] == ["11", "running", "0", "–"]
+        [exit_row] = driver.execute_script(TABLE.replace("ID", "supervision-events"))
+        assert exit_row[1:3] == [
+            "envoy",
+            "killed by SIGSEGV (core dumped) after 61 s; restart in 0.5 s",
+        ]
+        # the log is text, never markup
+        assert driver.execute_script("return document.querySelector('#processes script')") is None
+        assert "<script>alert(1)</script>" in text(driver, "supervision-events")
         # no script error on the way: the only console entries are the refused requests
         errors = [e["message"] for e in driver.get_log("browser") if "401" not in e["message"]]
         assert errors == []

@@ -147,6 +147,41 @@ function renderFleet(f) {
   status.className = problems.length ? "bad" : "muted";
 }
 
+// prefix-router up's supervisor: every process, its restarts and the recent exits
+// (absent when the control plane does not run under up).
+function renderSupervision(report) {
+  $("processes").hidden = !report;
+  if (!report) return;
+  const time = (t) => (t ? new Date(t * 1000).toLocaleTimeString() : "–");
+  $("components").tBodies[0].replaceChildren(...report.components.map((c) => {
+    const tr = el("tr");
+    tr.dataset.component = c.name;
+    cell(tr, c.name);
+    cell(tr, c.pid === null ? "–" : c.pid, "num");
+    cell(tr, c.state, c.state === "running" ? "" : "bad");
+    cell(tr, c.restarts, "num restarts");
+    cell(tr, c.last_exit ? c.last_exit + " at " + time(c.last_exit_time) : "–",
+      c.last_exit ? "last-exit" : "muted");
+    return tr;
+  }));
+  $("supervision-events").tBodies[0].replaceChildren(...report.events.map((e) => {
+    const tr = el("tr");
+    cell(tr, time(e.time));
+    cell(tr, e.component);
+    if (e.kind === "exit") {
+      cell(tr, e.status + " after " + num(e.uptime_s) + " s; restart in " + num(e.restart_in_s) +
+        " s", "bad");
+      const details = el("details");
+      details.append(el("summary", "log"), el("pre", e.log_tail || ""));
+      cell(tr, details);
+    } else {
+      cell(tr, "back (restart " + e.restarts + ", " + num(e.down_s) + " s down)");
+      cell(tr, "");
+    }
+    return tr;
+  }));
+}
+
 function renderConfig(c) {
   $("config").textContent = "version " + c.version + "\n" + JSON.stringify(c.config, null, 2);
 }
@@ -166,6 +201,7 @@ async function poll() {
     $("login").hidden = true;
     $("main").hidden = false;
     renderFleet(fleet);
+    renderSupervision(fleet.supervision);
     renderConfig(config);
   } catch (e) {
     if (e.status === 401) {

@@ -11,6 +11,7 @@ import time
 import urllib.error
 import urllib.request
 from collections.abc import Sequence
+from dataclasses import dataclass
 from pathlib import Path
 
 from prefix_router.core.config import RouterConfig
@@ -26,6 +27,52 @@ from prefix_router.ops.procs import (
 )
 
 
+@dataclass(frozen=True, slots=True)
+class EnvoyCommand:
+    """How ``up`` runs Envoy: its bootstrap, worker threads and base id.
+
+    The first start lets Envoy pick a free base id (``--use-dynamic-base-id``) and
+    write it to ``base_id_path``; a restart passes that id again, so the new Envoy
+    is the same one to the machine (hot restart is not used: the restart epoch
+    stays 0, and Envoy then clears the shared memory a killed one left behind,
+    where a new id each time would leave one segment in /dev/shm per crash).
+    """
+
+    bootstrap: Path
+    base_id_path: Path
+    concurrency: int = 2
+
+    def argv(self, base_id: int | None = None) -> list[str]:
+        ident = ["--use-dynamic-base-id"] if base_id is None else ["--base-id", str(base_id)]
+        return [
+            envoy_binary(),
+            "-c",
+            str(self.bootstrap),
+            "--concurrency",
+            str(self.concurrency),
+            "--log-level",
+            "warning",
+            "--base-id-path",
+            str(self.base_id_path),
+            *ident,
+            "--drain-time-s",
+            "1",
+            "--parent-shutdown-time-s",
+            "2",
+        ]
+
+    def base_id(self) -> int | None:
+        """The base id the running (or last) Envoy wrote; ``None`` if there is none."""
+        try:
+            return int(self.base_id_path.read_text().strip())
+        except (OSError, ValueError):
+            return None
+
+
+def envoy_command(log_dir: Path, *, name: str = "envoy", concurrency: int = 2) -> EnvoyCommand:
+    return EnvoyCommand(log_dir / f"{name}.yaml", log_dir / f"{name}.base-id", concurrency)
+
+
 def start_envoy(
     params: BootstrapParams,
     config: RouterConfig,
@@ -36,29 +83,10 @@ def start_envoy(
     name: str = "envoy",
 ) -> ManagedProcess:
     """Render the bootstrap into ``log_dir`` and start Envoy; ready when its admin says LIVE."""
-    bootstrap = log_dir / f"{name}.yaml"
+    command = envoy_command(log_dir, name=name, concurrency=concurrency)
     log_dir.mkdir(parents=True, exist_ok=True)
-    bootstrap.write_text(render_bootstrap(params, config, fleet))
-    proc = ManagedProcess(
-        name,
-        [
-            envoy_binary(),
-            "-c",
-            str(bootstrap),
-            "--concurrency",
-            str(concurrency),
-            "--log-level",
-            "warning",
-            "--base-id-path",
-            str(log_dir / f"{name}.base-id"),
-            "--use-dynamic-base-id",
-            "--drain-time-s",
-            "1",
-            "--parent-shutdown-time-s",
-            "2",
-        ],
-        log_dir / f"{name}.log",
-    ).start()
+    command.bootstrap.write_text(render_bootstrap(params, config, fleet))
+    proc = ManagedProcess(name, command.argv(), log_dir / f"{name}.log").start()
     try:
         wait_until_listening(proc, params.admin_port)
         wait_envoy_live(proc, params.admin_port)
@@ -68,17 +96,22 @@ def start_envoy(
     return proc
 
 
+def envoy_live(admin_port: int, host: str = "127.0.0.1", timeout: float = 1.0) -> bool:
+    """One look at Envoy's admin: initialised and serving (``LIVE``)."""
+    try:
+        with urllib.request.urlopen(
+            f"http://{host}:{admin_port}/server_info", timeout=timeout
+        ) as r:
+            return bool(json.load(r).get("state") == "LIVE")
+    except (OSError, ValueError):
+        return False
+
+
 def wait_envoy_live(proc: ManagedProcess, admin_port: int, timeout: float = 20.0) -> None:
     deadline = time.monotonic() + timeout
     while time.monotonic() < deadline:
-        try:
-            with urllib.request.urlopen(
-                f"http://127.0.0.1:{admin_port}/server_info", timeout=1
-            ) as r:
-                if json.load(r).get("state") == "LIVE":
-                    return
-        except OSError:
-            pass
+        if envoy_live(admin_port):
+            return
         if not proc.alive():
             raise StartupError(f"envoy exited during start-up:\n{proc.tail()}")
         time.sleep(0.05)

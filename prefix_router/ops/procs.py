@@ -1,8 +1,14 @@
 """Child processes, ports and readiness: what ``prefix-router up`` and the tests share.
 
-Every process is started in its own process group with its output going to a
-log file, and stopped by PID: SIGTERM, a grace period, then SIGKILL. Nothing
-here ever signals a process it did not start.
+Every process is started in its own process group (a new session) with its
+output going to a log file, and stopped as a group: SIGTERM to the whole group,
+a grace period, then SIGKILL to whatever is left of it, so a child the process
+started itself cannot outlive it. The group is signalled only while its leader
+is not yet reaped (alive, or a zombie we have not collected): until then its
+PID, which is the group's id, cannot be given to another process, so nothing
+here ever signals a process it did not start. For the same reason nothing here
+reaps a leader before its group has been signalled: :meth:`ManagedProcess.exit_status`
+looks at an exit without collecting it (``waitid(WNOWAIT)``).
 """
 
 from __future__ import annotations
@@ -38,9 +44,18 @@ def free_port(host: str = "127.0.0.1") -> int:
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:
+    """Whether a server could listen on ``host:port`` now, checked the way ours bind.
+
+    Envoy, uvicorn, grpc and asyncio servers all set ``SO_REUSEADDR`` before they
+    bind, so connections of a previous run still in TIME_WAIT (up to a minute after
+    a stop) do not keep them from listening; a check without it would call such a
+    port taken. A port another socket listens on is still refused.
+    """
     with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
+        s.setsockopt(socket.SOL_SOCKET, socket.SO_REUSEADDR, 1)
         try:
             s.bind((host, port))
+            s.listen(1)
         except OSError:
             return False
         return True
@@ -73,15 +88,72 @@ def cli_command(*args: str) -> list[str]:
     return [sys.executable, "-m", "prefix_router", *args]
 
 
+@dataclass(frozen=True, slots=True)
+class ExitStatus:
+    """How a process ended: an exit code, or the signal that killed it."""
+
+    code: int | None = None
+    signal: int | None = None
+    core_dumped: bool = False
+
+    @classmethod
+    def from_returncode(cls, returncode: int) -> ExitStatus:
+        """From :attr:`subprocess.Popen.returncode` (negative: killed by that signal)."""
+        return cls(signal=-returncode) if returncode < 0 else cls(code=returncode)
+
+    @property
+    def returncode(self) -> int:
+        return -self.signal if self.signal is not None else (self.code or 0)
+
+    def describe(self) -> str:
+        """``exit code 1``, ``killed by SIGKILL``, ``killed by SIGSEGV (core dumped)``."""
+        if self.signal is None:
+            return f"exit code {self.code}"
+        try:
+            name = signal.Signals(self.signal).name
+        except ValueError:
+            name = f"signal {self.signal}"
+        return f"killed by {name}" + (" (core dumped)" if self.core_dumped else "")
+
+
+def _exit_status(info: os.waitid_result) -> ExitStatus:
+    if info.si_code == os.CLD_EXITED:
+        return ExitStatus(code=info.si_status)
+    return ExitStatus(signal=info.si_status, core_dumped=info.si_code == os.CLD_DUMPED)
+
+
+def group_members(pgid: int) -> set[int]:
+    """Live (not zombie) processes in process group ``pgid``, from ``/proc``."""
+    members: set[int] = set()
+    with contextlib.suppress(OSError):
+        for entry in os.scandir("/proc"):
+            if not entry.name.isdigit():
+                continue
+            try:
+                with open(f"/proc/{entry.name}/stat", "rb") as f:
+                    stat = f.read()
+            except OSError:
+                continue  # gone meanwhile
+            # "pid (comm) state ppid pgrp ...": comm may hold spaces and parentheses
+            fields = stat[stat.rfind(b")") + 2 :].split()
+            if len(fields) > 2 and fields[0] != b"Z" and int(fields[2]) == pgid:
+                members.add(int(entry.name))
+    return members
+
+
 @dataclass
 class ManagedProcess:
-    """A child process we started, its log, and how to stop it."""
+    """A child process we started, its log, and how to stop it (its whole group)."""
 
     name: str
     argv: Sequence[str]
     log_path: Path
     env: dict[str, str] | None = None
     popen: subprocess.Popen[bytes] | None = field(default=None, repr=False)
+
+    def clone(self) -> ManagedProcess:
+        """The same command, log and environment, not started: a restart."""
+        return ManagedProcess(self.name, list(self.argv), self.log_path, self.env)
 
     def start(self) -> ManagedProcess:
         self.log_path.parent.mkdir(parents=True, exist_ok=True)
@@ -104,30 +176,73 @@ class ManagedProcess:
         assert self.popen is not None
         return self.popen.pid
 
-    def alive(self) -> bool:
-        return self.popen is not None and self.popen.poll() is None
-
-    def stop(self, grace: float = 5.0) -> int | None:
-        """SIGTERM, wait ``grace`` seconds, then SIGKILL. Returns the exit code."""
+    def exit_status(self) -> ExitStatus | None:
+        """How the process ended, or ``None`` while it runs; it is not reaped here."""
         if self.popen is None:
             return None
-        if self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                self.popen.send_signal(signal.SIGTERM)
-            try:
-                self.popen.wait(timeout=grace)
-            except subprocess.TimeoutExpired:
-                with contextlib.suppress(ProcessLookupError):
-                    os.killpg(self.popen.pid, signal.SIGKILL)
-                self.popen.wait(timeout=5)
-        return self.popen.returncode
+        if self.popen.returncode is not None:
+            return ExitStatus.from_returncode(self.popen.returncode)
+        try:
+            info = os.waitid(os.P_PID, self.popen.pid, os.WEXITED | os.WNOHANG | os.WNOWAIT)
+        except ChildProcessError:  # reaped elsewhere (Popen.poll)
+            returncode = self.popen.poll()
+            return None if returncode is None else ExitStatus.from_returncode(returncode)
+        return None if info is None else _exit_status(info)
+
+    def alive(self) -> bool:
+        return self.popen is not None and self.exit_status() is None
+
+    def _signal_group(self, sig: int) -> None:
+        """Signal the whole group, only while its leader is unreaped (see the module doc)."""
+        if self.popen is not None and self.popen.returncode is None:
+            with contextlib.suppress(ProcessLookupError, PermissionError):
+                os.killpg(self.popen.pid, sig)
+
+    def _group_done(self) -> bool:
+        return self.exit_status() is not None and not (group_members(self.pid) - {self.pid})
+
+    def _kill_group(self, wait_s: float = 5.0) -> None:
+        """SIGKILL whatever is left of the group and wait (bounded) until it is gone, so
+        nothing of it holds a port when this returns."""
+        self._signal_group(signal.SIGKILL)
+        deadline = time.monotonic() + wait_s
+        while not self._group_done() and time.monotonic() < deadline:
+            time.sleep(0.01)
+
+    def _reap(self, timeout: float = 5.0) -> int | None:
+        assert self.popen is not None
+        try:
+            return self.popen.wait(timeout=timeout)
+        except subprocess.TimeoutExpired:  # in uninterruptible sleep: leave it to init
+            return None
+
+    def stop(self, grace: float = 5.0) -> int | None:
+        """SIGTERM to the group; once the leader and every other member are gone, or
+        after ``grace`` seconds, SIGKILL to whatever is left; then reap. Returns the
+        leader's exit code (negative: the signal that ended it)."""
+        if self.popen is None:
+            return None
+        if self.popen.returncode is None:
+            self._signal_group(signal.SIGTERM)
+            deadline = time.monotonic() + grace
+            while not self._group_done() and time.monotonic() < deadline:
+                time.sleep(0.02)
+            self._kill_group()
+        return self._reap()
 
     def kill(self) -> None:
-        """SIGKILL at once (fault tests: a crash, not a shutdown)."""
-        if self.popen is not None and self.popen.poll() is None:
-            with contextlib.suppress(ProcessLookupError):
-                os.killpg(self.popen.pid, signal.SIGKILL)
-            self.popen.wait(timeout=5)
+        """SIGKILL the whole group at once (fault tests: a crash, not a shutdown)."""
+        if self.popen is not None and self.popen.returncode is None:
+            self._kill_group()
+            self._reap()
+
+    def collect(self) -> ExitStatus | None:
+        """After the leader exited by itself: SIGKILL what is left of its group, reap it."""
+        status = self.exit_status()
+        if status is not None:
+            self._kill_group()
+            self._reap()
+        return status
 
     def tail(self, lines: int = 30) -> str:
         try:

@@ -11,9 +11,15 @@ Starts, in order, and stops in reverse order on Ctrl-C or SIGTERM:
 5. Envoy, from ``envoy/bootstrap.yaml``, fed by the control plane over ADS.
 
 It is ready only when a real chat completion through Envoy succeeds; then it
-prints where to send requests. Settings come from flags, then
-``PREFIX_ROUTER_*`` environment variables, then an optional YAML file
-(``--settings``), then defaults, and are validated before anything starts.
+prints where to send requests, and supervises: a process that exits is
+restarted on the same ports with backoff (:mod:`prefix_router.ops.supervise`),
+the exit is printed with its status and the end of its log, and the report
+goes to the control plane's status page and metrics through Redis
+(:mod:`prefix_router.ops.report`). Only Ctrl-C or SIGTERM stops the stack.
+
+Settings come from flags, then ``PREFIX_ROUTER_*`` environment variables, then
+an optional YAML file (``--settings``), then defaults, and are validated before
+anything starts.
 """
 
 from __future__ import annotations
@@ -30,7 +36,7 @@ import sys
 import threading
 import urllib.error
 import urllib.request
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
 from typing import Any
 
@@ -42,6 +48,8 @@ from prefix_router.core.errors import ConfigError, StartupError
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.envoy.bootstrap import BootstrapParams
 from prefix_router.ops.launch import (
+    envoy_command,
+    envoy_live,
     start_envoy,
     start_ext_proc,
     start_module,
@@ -56,6 +64,8 @@ from prefix_router.ops.procs import (
     port_is_free,
     wait_until_listening,
 )
+from prefix_router.ops.report import ReportPublisher
+from prefix_router.ops.supervise import Backoff, Component, Event, Supervisor
 from prefix_router.state.redis_url import redacted
 
 ENV_PREFIX = "PREFIX_ROUTER_"
@@ -208,8 +218,9 @@ class Stack:
         self.config = config
         self.run_dir = Path(settings.run_dir).resolve()
         self.log_dir = self.run_dir / "logs"
-        self.procs: list[ManagedProcess] = []
+        self.components: list[Component] = []
         self.redis_url: str | None = settings.redis_url
+        self.own_redis = False
         self.token = settings.admin_token or secrets.token_urlsafe(24)
         self.fleet: Fleet | None = None
         self._cleared = False
@@ -239,17 +250,40 @@ class Stack:
             self._start_dynamic()
         self.wait_ready()
 
+    @property
+    def procs(self) -> list[ManagedProcess]:
+        """The current process of each component, in start order."""
+        return [c.proc for c in self.components]
+
+    def supervisor(self, **kwargs: Any) -> Supervisor:
+        """A supervisor of every component started (``Supervisor`` keyword arguments)."""
+        return Supervisor(self.components, **kwargs)
+
     def stop(self) -> None:
-        for proc in reversed(self.procs):
-            proc.stop(grace=5.0)
-        self.procs.clear()
+        for component in reversed(self.components):
+            component.proc.stop(grace=5.0)
+        self.components.clear()
         if self.settings.redis_url is not None and self._cleared:
             with contextlib.suppress(StartupError):
                 self._clear_namespace()  # an external Redis keeps nothing of a local stack
 
-    def _add(self, proc: ManagedProcess) -> ManagedProcess:
-        self.procs.append(proc)
+    def _add(
+        self,
+        proc: ManagedProcess,
+        *,
+        ready: Callable[[], bool],
+        spawn: Callable[[], ManagedProcess] | None = None,
+    ) -> ManagedProcess:
+        """Register a started process; ``spawn`` restarts it (default: the same command),
+        ``ready`` says that a restarted one serves."""
+        self.components.append(
+            Component(proc.name, proc, spawn or (lambda: proc.clone().start()), ready)
+        )
         return proc
+
+    def _answers(self, *ports: int) -> Callable[[], bool]:
+        host = self.settings.host
+        return lambda: all(port_answers(p, host) for p in ports)
 
     # -- components ----------------------------------------------------------------------
 
@@ -266,8 +300,12 @@ class Stack:
             )
             return
         port = free_port(self.settings.host)
-        self._add(start_redis_server(binary, port, self.log_dir, host=self.settings.host))
+        self._add(
+            start_redis_server(binary, port, self.log_dir, host=self.settings.host),
+            ready=self._answers(port),
+        )
         self.redis_url = f"redis://{self.settings.host}:{port}/0"
+        self.own_redis = True
 
     def _start_backends(self) -> Fleet:
         s = self.settings
@@ -287,7 +325,10 @@ class Stack:
             "--time-scale",
             str(s.sim_time_scale),
         ]
-        self._add(start_module("vllm-sim", "vllm_sim", args, self.log_dir, ready_ports=ports))
+        self._add(
+            start_module("vllm-sim", "vllm_sim", args, self.log_dir, ready_ports=ports),
+            ready=self._answers(*ports),
+        )
         return Fleet.of([Instance(s.host, p) for p in ports])
 
     def _write_fleet_file(self) -> Path:
@@ -353,7 +394,7 @@ class Stack:
             self.log_dir / "control-plane.log",
             env=env,
         ).start()
-        self._add(control_plane)
+        self._add(control_plane, ready=self._answers(s.admin_port, s.xds_port))
         wait_until_listening(control_plane, s.admin_port, host=s.host)
         wait_until_listening(control_plane, s.xds_port, host=s.host)
         ext_proc_ports = [free_port(s.host) for _ in range(s.ext_procs)]
@@ -375,7 +416,8 @@ class Stack:
                         "--metrics-port",
                         str(metrics_port),
                     ],
-                )
+                ),
+                ready=self._answers(port),
             )
         self._start_envoy(ext_proc_ports, xds=(s.host, s.xds_port))
 
@@ -388,7 +430,10 @@ class Stack:
         args = ["--host", s.host, "--config", str(config_file)]
         for inst in self.fleet.instances:
             args += ["--backend", f"{inst.address}:{inst.port}:{inst.weight}"]
-        self._add(start_ext_proc(port, self.log_dir, name="ext_proc-0", args=args))
+        self._add(
+            start_ext_proc(port, self.log_dir, name="ext_proc-0", args=args),
+            ready=self._answers(port),
+        )
         self._start_envoy([port], xds=None)
 
     def _start_envoy(self, ext_proc_ports: list[int], xds: tuple[str, int] | None) -> None:
@@ -401,15 +446,22 @@ class Stack:
             ext_proc=tuple((s.host, p) for p in ext_proc_ports),
             xds=xds,
         )
-        self._add(
-            start_envoy(
-                params,
-                self.config,
-                self.log_dir,
-                fleet=self.fleet,
-                concurrency=s.envoy_concurrency,
-            )
+        envoy = start_envoy(
+            params, self.config, self.log_dir, fleet=self.fleet, concurrency=s.envoy_concurrency
         )
+        command = envoy_command(self.log_dir, concurrency=s.envoy_concurrency)
+        base_id = command.base_id()
+
+        def respawn() -> ManagedProcess:
+            """Same bootstrap (ports), same base id; see EnvoyCommand."""
+            return ManagedProcess(envoy.name, command.argv(base_id), envoy.log_path).start()
+
+        def serves() -> bool:
+            return envoy_live(s.envoy_admin_port, s.host, timeout=0.5) and port_answers(
+                s.port, s.host
+            )
+
+        self._add(envoy, ready=serves, spawn=respawn)
 
     # -- readiness -----------------------------------------------------------------------
 
@@ -445,6 +497,8 @@ class Stack:
                 "fleet view)",
                 *(f"                    {url} (ext_proc)" for url in self.ext_proc_metrics),
             ]
+        if self.own_redis:
+            lines.append(f"  Redis             {self.redis_url}  (this stack's own)")
         members = ", ".join(i.id for i in self.fleet.instances) if self.fleet else "-"
         lines += [
             f"  Envoy admin       http://{s.host}:{s.envoy_admin_port}  (stats at /stats)",
@@ -456,6 +510,39 @@ class Stack:
 
 
 _FLEET_FILE_KEYS = ("address", "port", "weight", "models", "hash_key")
+
+
+def supervise(
+    stack: Stack,
+    stop: threading.Event,
+    *,
+    poll_s: float = 0.1,
+    backoff: Backoff | None = None,
+    on_event: Callable[[Event], None] | None = None,
+) -> None:
+    """Restart whatever exits until ``stop`` is set; print each event (and hand it to
+    ``on_event``) and keep the control plane's report (through Redis) current."""
+
+    def print_event(event: Event) -> None:
+        print(event.message(), file=sys.stderr, flush=True)
+        if on_event is not None:
+            on_event(event)
+
+    supervisor = stack.supervisor(backoff=backoff or Backoff(), on_event=print_event)
+    publisher = (
+        ReportPublisher(stack.redis_url, stack.settings.namespace)
+        if stack.redis_url is not None
+        else None
+    )
+    try:
+        while not stop.is_set():
+            events = supervisor.poll()
+            if publisher is not None:
+                publisher.publish(supervisor.report, now=bool(events))
+            stop.wait(poll_s)
+    finally:
+        if publisher is not None:
+            publisher.close()
 
 
 def main(argv: Sequence[str] | None = None) -> int:
@@ -472,16 +559,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         try:
             stack.start()
             print(stack.banner(), flush=True)
-            while not stop.is_set():
-                for proc in stack.procs:
-                    if not proc.alive():
-                        print(
-                            f"{proc.name} exited; stopping. Last log lines:\n{proc.tail()}",
-                            file=sys.stderr,
-                        )
-                        stop.set()
-                        break
-                stop.wait(0.5)
+            supervise(stack, stop)
         finally:
             if stack.procs:
                 print("stopping...", file=sys.stderr, flush=True)
@@ -489,4 +567,4 @@ def main(argv: Sequence[str] | None = None) -> int:
     return 0
 
 
-__all__ = ["Stack", "UpSettings", "main", "port_answers", "resolve_settings"]
+__all__ = ["Stack", "UpSettings", "main", "port_answers", "resolve_settings", "supervise"]

@@ -12,6 +12,8 @@ Schema (every key under a namespace prefix, default ``prefix-router:``)::
     <ns>changed    pub/sub JSON {"fleet_version": n, "config_version": m}, after every change
     <ns>audit      list    JSON audit entries, newest first, capped at AUDIT_KEEP
     <ns>inflight   hash    instance id -> fleet-wide in-flight count (the load store's)
+    <ns>supervision string JSON report of ``prefix-router up``'s supervisor
+                           (:mod:`prefix_router.state.supervision`)
 
 ``removing`` lists draining instances to delete once drained (a drained but
 not removed instance stays in the fleet). Versions start at 1 and grow by one
@@ -26,6 +28,11 @@ its audit entry land together or not at all.
 Readers (:func:`watch_state`) subscribe to ``<ns>changed`` and also re-read
 every ``interval`` seconds, so a missed message (a reconnect, a slow
 subscriber) heals within one interval. Every Redis call has a socket timeout.
+
+If Redis loses the documents (restarted empty, flushed), readers keep what
+they had instead of taking the absent documents for an empty fleet, and the
+control plane writes back the last state it read (:meth:`StateStore.restore`,
+``control_plane.restore``) with its versions, so every reader goes on.
 """
 
 from __future__ import annotations
@@ -203,6 +210,47 @@ class StateStore:
         except (RedisError, OSError) as exc:
             raise StateError(f"cannot write state to Redis: {exc}") from None
 
+    async def restore(self, fleet: FleetRecord | None, config: ConfigRecord | None) -> bool:
+        """Write back documents Redis lost, each only where absent, versions kept.
+
+        For a Redis that restarted empty: ``fleet``/``config`` are the last ones read
+        (``None``: nothing to restore). One audit entry says what came back. Returns
+        whether anything was written (``False`` if another writer was first).
+        """
+        keys = (self.keys.fleet, self.keys.config)
+        try:
+            async with self.redis.pipeline(transaction=True) as pipe:
+                await pipe.watch(*keys)
+                raw_fleet, raw_config = await pipe.mget(list(keys))
+                writes: dict[str, str] = {}
+                if raw_fleet is None and fleet is not None and fleet.fleet.version > 0:
+                    writes[self.keys.fleet] = fleet.to_json()
+                if raw_config is None and config is not None and config.version > 0:
+                    writes[self.keys.config] = config.to_json()
+                if not writes:
+                    await pipe.unwatch()  # type: ignore[no-untyped-call]
+                    return False
+                pipe.multi()  # type: ignore[no-untyped-call]
+                for key, value in writes.items():
+                    pipe.set(key, value)
+                entry = {
+                    "time": time.time(),
+                    "actor": "control-plane",
+                    "action": "restore-state",
+                    "target": ",".join(k.removeprefix(self.keys.namespace) for k in writes),
+                    "fleet_version": fleet.fleet.version if fleet else None,
+                    "config_version": config.version if config else None,
+                }
+                pipe.lpush(self.keys.audit, json.dumps(entry))
+                pipe.ltrim(self.keys.audit, 0, AUDIT_KEEP - 1)
+                pipe.publish(self.keys.changed, "restored")
+                await pipe.execute()
+        except WatchError:
+            return False
+        except (RedisError, OSError) as exc:
+            raise StateError(f"cannot restore state to Redis: {exc}") from None
+        return True
+
     async def update_fleet(
         self,
         change: Callable[[FleetRecord], FleetRecord],
@@ -324,13 +372,15 @@ async def watch_state(
 
     Subscribes to ``<ns>changed`` and re-reads at least every ``interval``
     seconds; calls ``on_change`` only when a version moved (again at the next
-    wake-up if it raised). Redis errors are logged once per outage and retried;
-    this returns only when ``stop`` is set.
+    wake-up if it raised). A document that was there and is gone (Redis lost
+    it) is no change: the caller keeps the last state until one is back. Redis
+    errors are logged once per outage and retried; this returns only when
+    ``stop`` is set.
     """
     stop = stop or asyncio.Event()
     store = StateStore.from_url(redis_url, namespace)
     last: tuple[int, int] | None = None
-    failing = False
+    failing = lost = False
     try:
         while not stop.is_set():
             pubsub = store.redis.pubsub()
@@ -341,7 +391,24 @@ async def watch_state(
                     if failing:
                         failing = False
                         log.warning("shared state readable again")
-                    if state.versions != last:
+                    gone = last is not None and any(
+                        now == 0 < before for now, before in zip(state.versions, last, strict=True)
+                    )
+                    if gone and not lost:
+                        # A document present before is absent: Redis lost it (restarted
+                        # empty). Not an empty fleet: keep the last state until it is back.
+                        lost = True
+                        log.warning(
+                            "shared state gone from Redis (restarted empty?); keeping "
+                            "fleet v%d / config v%d until it is restored",
+                            *(last or (0, 0)),
+                        )
+                    elif not gone and lost:
+                        lost = False
+                        log.warning(
+                            "shared state back in Redis: fleet v%d / config v%d", *state.versions
+                        )
+                    if not gone and state.versions != last:
                         try:
                             result = on_change(
                                 state.fleet.fleet, state.config.config, state.config.version

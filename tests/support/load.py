@@ -20,12 +20,16 @@ class Outcome:
     backend: str | None
     prefix_key: str | None = None
     error: str | None = None
+    ended: float = float("inf")
+    """``time.monotonic()`` when the answer (or the error) came."""
 
 
 @dataclass
 class Load:
     url: str
     workers: int = 2
+    model: str = "m"
+    max_tokens: int | None = None
     outcomes: list[Outcome] = field(default_factory=list)
     _stop: threading.Event = field(default_factory=threading.Event)
     _threads: list[threading.Thread] = field(default_factory=list)
@@ -46,20 +50,30 @@ class Load:
     def _run(self) -> None:
         with httpx.Client(timeout=10) as client:
             while not self._stop.is_set():
-                body = json.dumps(
-                    {"model": "m", "messages": [{"role": "user", "content": f"p{next(self._ids)}"}]}
-                )
+                request: dict[str, object] = {
+                    "model": self.model,
+                    "messages": [{"role": "user", "content": f"p{next(self._ids)}"}],
+                }
+                if self.max_tokens is not None:
+                    request["max_tokens"] = self.max_tokens
+                body = json.dumps(request)
                 started = time.monotonic()
                 try:
                     r = client.post(f"{self.url}/v1/chat/completions", content=body)
                     answer = r.json() if r.status_code == 200 else {}
                     self.outcomes.append(
                         Outcome(
-                            started, r.status_code, answer.get("backend"), answer.get("prefix_key")
+                            started,
+                            r.status_code,
+                            answer.get("backend"),
+                            answer.get("prefix_key"),
+                            ended=time.monotonic(),
                         )
                     )
                 except (httpx.HTTPError, ValueError) as exc:
-                    self.outcomes.append(Outcome(started, 0, None, error=repr(exc)))
+                    self.outcomes.append(
+                        Outcome(started, 0, None, error=repr(exc), ended=time.monotonic())
+                    )
 
     def failures(self) -> list[Outcome]:
         return [o for o in self.outcomes if o.status != 200]

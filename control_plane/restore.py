@@ -1,0 +1,82 @@
+"""Give Redis back the shared state it lost.
+
+Redis is the source of truth for the fleet and the config, but ``prefix-router
+up`` runs it without persistence, and any Redis may restart empty or be flushed.
+Left alone, every reader would then see no documents: the admin API an empty
+fleet, a restarted ext_proc no instance to route to. The control plane holds
+the last state it read, so it writes it back, versions kept, within
+``interval_s`` (:meth:`~prefix_router.state.store.StateStore.restore`; only
+where a document is absent, so several replicas restoring at once, or an admin
+change made meanwhile, are safe). Readers ignore the absent documents in the
+meantime (:func:`~prefix_router.state.store.watch_state`).
+
+What is not restored: the audit log before the loss, and the routing state's
+keys (in-flight counts, decision counts, spills, the prefix index, prefill
+queues), which the ext_proc replicas rebuild as they go (each rewrites its exact
+share of the in-flight counts after a failed round trip; releases of requests
+counted before the loss never take a count below zero).
+"""
+
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import logging
+
+from prefix_router.state.store import ConfigRecord, FleetRecord, StateError, StateStore
+
+log = logging.getLogger("prefix_router.control_plane")
+
+
+class StateKeeper:
+    """Remembers the newest fleet and config documents read; restores them when absent."""
+
+    def __init__(self, store: StateStore, *, interval_s: float = 1.0) -> None:
+        self.store = store
+        self.interval_s = interval_s
+        self.fleet: FleetRecord | None = None
+        self.config: ConfigRecord | None = None
+        self.restored = 0
+        """Times this replica wrote lost documents back."""
+
+    async def check(self) -> bool:
+        """Read once; remember what is there, restore what went missing. Returns whether
+        this call restored anything. Raises :class:`StateError` if Redis fails."""
+        state = await self.store.read()
+        lost_fleet = state.fleet.fleet.version == 0 and self.fleet is not None
+        lost_config = state.config.version == 0 and self.config is not None
+        if state.fleet.fleet.version > 0:
+            self.fleet = state.fleet
+        if state.config.version > 0:
+            self.config = state.config
+        if not (lost_fleet or lost_config):
+            return False
+        restored = await self.store.restore(
+            self.fleet if lost_fleet else None, self.config if lost_config else None
+        )
+        if restored:
+            self.restored += 1
+            log.warning(
+                "Redis lost the shared state (restarted empty?): restored %s",
+                ", ".join(
+                    f"{name} v{version}"
+                    for name, version, lost in (
+                        ("fleet", self.fleet.fleet.version if self.fleet else 0, lost_fleet),
+                        ("config", self.config.version if self.config else 0, lost_config),
+                    )
+                    if lost
+                ),
+            )
+        return restored
+
+    async def run(self, stop: asyncio.Event) -> None:
+        """Check every ``interval_s`` until ``stop`` is set; Redis errors are retried."""
+        while not stop.is_set():
+            with contextlib.suppress(StateError, TimeoutError):
+                async with asyncio.timeout(max(self.interval_s, 2.0)):
+                    await self.check()
+            with contextlib.suppress(TimeoutError):
+                await asyncio.wait_for(stop.wait(), self.interval_s)
+
+
+__all__ = ["StateKeeper"]
