@@ -101,7 +101,7 @@ async def test_a_config_change_is_versioned_and_audited(admin: Admin) -> None:
     assert r.json()["config"]["prefix_length"] == RouterConfig().prefix_length  # PUT replaces
     put, patch = await admin.store.audit_log()
     assert patch["action"] == "patch-config" and patch["actor"] == "admin"
-    assert patch["before"]["prefix_length"] == 1024 and patch["after"]["prefix_length"] == 64
+    assert patch["before"]["prefix_length"] == 32768 and patch["after"]["prefix_length"] == 64
     assert put["action"] == "put-config" and put["after"]["prefix_mode"] == "bytes"
     assert put["time"] >= patch["time"] > 0
 

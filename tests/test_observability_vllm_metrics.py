@@ -13,6 +13,7 @@ from control_plane.vllm_metrics import (
     VllmReading,
     bucket_delta,
     histogram_quantile,
+    learned_rate,
     merge_buckets,
     parse_vllm_metrics,
     reading_delta,
@@ -85,6 +86,7 @@ vllm:num_requests_running{model_name="m"} 1
                 running=5.0,
                 waiting=1.0,
                 kv_cache_usage=0.375,
+                kv_cache_tokens=81000 * 16.0,  # num_gpu_blocks x block_size
             ),
         ),
         (
@@ -112,6 +114,29 @@ vllm:num_requests_running{model_name="m"} 1
 )
 def test_parse_vllm_metrics(text: str, expected: VllmReading) -> None:
     assert parse_vllm_metrics(text) == expected
+
+
+@pytest.mark.parametrize(
+    ("old", "new", "expected"),
+    [
+        # 9,000 prompt tokens queried, 3,000 hit: 6,000 computed in 2 s of prefill
+        (VllmReading(1000.0, 400.0, prefill_seconds=1.0),
+         VllmReading(10000.0, 3400.0, prefill_seconds=3.0), 3000.0),
+        # too little prefill in the window to tell
+        (VllmReading(1000.0, 400.0, prefill_seconds=1.0),
+         VllmReading(2000.0, 400.0, prefill_seconds=1.5), None),
+        # a server without the prefill histogram
+        (VllmReading(1000.0, 400.0), VllmReading(9000.0, 400.0), None),
+        # a restart (counters went down): the newer reading alone is the window
+        (VllmReading(90000.0, 400.0, prefill_seconds=90.0),
+         VllmReading(6000.0, 0.0, prefill_seconds=2.0), 3000.0),
+    ],
+)
+def test_the_prefill_rate_is_learned_from_computed_tokens_per_second_of_prefill(
+    old: VllmReading, new: VllmReading, expected: float | None
+) -> None:
+    assert learned_rate(new, old) == expected
+    assert learned_rate(new, None) is None
 
 
 @pytest.mark.parametrize("text", ['{"backend": "8001", "bytes": 0}', "<html>nope</html>\n"])
