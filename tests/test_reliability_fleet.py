@@ -77,7 +77,8 @@ def moved(before: dict[str, str], after: dict[str, str]) -> dict[str, tuple[str,
 def test_control_plane_killed_and_restarted_changes_nothing(
     namespace: str, procs: ProcessReaper, log_dir: Path
 ) -> None:
-    stack, _ = start_xds_stack(procs, log_dir, namespace, backends=3)
+    config = RouterConfig.model_validate({"spill": {"policy": "none"}})  # about placement
+    stack, _ = start_xds_stack(procs, log_dir, namespace, backends=3, config=config)
     before = placement(stack)
     with Load(stack.url) as load:
         assert stack.control_plane is not None
