@@ -167,27 +167,26 @@ def record(
     the one whose cache turned over most since its stamp.
     """
     v = _SLOT.unpack(slot)
+    new = _ENTRY.pack(tag, fp, model.stamp)
+    for way, w in enumerate(_WAY_STARTS):
+        if v[w] == tag and v[w + 1] == fp:
+            stamp = v[w + 2]
+            if stamp == model.stamp or (not force and model.turnover(stamp) < REFRESH_FRACTION):
+                return None
+            start = way * ENTRY_BYTES
+            return EntryWrite(slot_index, way, slot[start : start + ENTRY_BYTES], new)
     victim, worst = 0, -1.0
     for way, w in enumerate(_WAY_STARTS):
-        entry_tag, entry_stamp = v[w], v[w + 2]
-        if entry_tag == tag and v[w + 1] == fp:
-            if entry_stamp == model.stamp or (
-                not force and model.turnover(entry_stamp) < REFRESH_FRACTION
-            ):
-                return None
+        entry_tag = v[w]
+        if not entry_tag:
             victim = way
             break
-        if not entry_tag:
-            staleness = 3.0
-        else:
-            holder = model_of(entry_tag)
-            staleness = 2.0 if holder is None else min(1.5, holder.turnover(entry_stamp))
+        holder = model_of(entry_tag)
+        staleness = 2.0 if holder is None else min(1.5, holder.turnover(v[w + 2]))
         if staleness > worst:
             victim, worst = way, staleness
     start = victim * ENTRY_BYTES
-    return EntryWrite(
-        slot_index, victim, slot[start : start + ENTRY_BYTES], _ENTRY.pack(tag, fp, model.stamp)
-    )
+    return EntryWrite(slot_index, victim, slot[start : start + ENTRY_BYTES], new)
 
 
 def apply(slot: bytes, write: EntryWrite) -> bytes:

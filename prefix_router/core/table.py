@@ -19,7 +19,8 @@ instance keeps its tag while the others come and go.
 
 from __future__ import annotations
 
-from dataclasses import dataclass
+from collections.abc import Sequence
+from dataclasses import dataclass, field
 from itertools import islice
 
 from prefix_router.core.config import PrefixMatch, RouterConfig
@@ -49,6 +50,9 @@ class RoutingTable:
     rule: DecisionRule
     default_model: InstanceModel
     """What an instance is assumed to be until its metrics are learned."""
+    _orders: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False, repr=False)
+    """Each ring entry's first ``placement.width`` instances, as asked for (at most one
+    list per entry)."""
 
     @classmethod
     def build(cls, fleet: Fleet, config: RouterConfig, *, config_version: int = 0) -> RoutingTable:
@@ -80,13 +84,21 @@ class RoutingTable:
             ),
         )
 
-    def ring_order(self, key: str, count: int = 0) -> list[int]:
+    def ring_order(self, key: str, count: int = 0) -> tuple[int, ...]:
         """The key's first ``count`` (default ``placement.width``) instances in ring order:
-        the ring's pick, then its successors."""
-        n = count or self.rule.placement_width
-        return list(islice(self.ring.successors(hash_key(key)), n))
+        the ring's pick, then its successors. The default count is remembered per ring
+        entry (a request's common case costs one hash and one bisect)."""
+        key_hash = hash_key(key)
+        if count:
+            return tuple(islice(self.ring.successors(key_hash), count))
+        position = self.ring.position(key_hash) if self.ring.hashes else -1
+        order = self._orders.get(position)
+        if order is None:
+            width = self.rule.placement_width
+            order = self._orders[position] = tuple(islice(self.ring.successors(key_hash), width))
+        return order
 
-    def decide(self, key: PrefixKey, view: FleetView) -> tuple[Decision, list[int]]:
+    def decide(self, key: PrefixKey, view: FleetView) -> tuple[Decision, tuple[int, ...]]:
         """:func:`~prefix_router.core.decision.decide` with this table; also returns the
         key's ring order (for :meth:`header_for`)."""
         ring_order = self.ring_order(key.value)
@@ -101,7 +113,7 @@ class RoutingTable:
         )
         return decision, ring_order
 
-    def header_for(self, key: str, ring_order: list[int], chosen: int) -> str:
+    def header_for(self, key: str, ring_order: Sequence[int], chosen: int) -> str:
         """The ``x-prefix-key`` value that makes Envoy pick instance ``chosen``."""
         return key if ring_order and ring_order[0] == chosen else self.tokens[chosen]
 

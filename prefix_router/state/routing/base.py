@@ -18,7 +18,7 @@ class Routed(NamedTuple):
 
     decision: Decision
     instance_id: str
-    ring_order: list[int]
+    ring_order: tuple[int, ...]
     """The key's first ring instances (what :meth:`RoutingTable.header_for` needs)."""
 
 

@@ -30,12 +30,15 @@ class InProcessStore:
         self._index: InProcessIndex | None = None
         self._work: dict[str, InstanceWork] = {}
         self._models: dict[str, InstanceModel] = {}
+        self._cache_models: dict[str, CacheModel] = {}
+        """Each instance's cache model as of its last write (the index's view of it)."""
         self._in_flight: defaultdict[str, int] = defaultdict(int)
         self._total = 0
 
     def learn(self, instance_id: str, model: InstanceModel) -> None:
         """Use ``model`` for the instance from now on (its metrics were read)."""
         self._models[instance_id] = model
+        self._cache_models.pop(instance_id, None)
 
     def route_now(self, key: PrefixKey, table: RoutingTable) -> Routed:
         """:meth:`route`, synchronously (the simulation's event loop calls this)."""
@@ -53,6 +56,7 @@ class InProcessStore:
             rate=view.model(decision.instance).prefill_tokens_per_s,
             keep=table.rule.threshold,
         )
+        self._cache_models.pop(chosen, None)
         self._in_flight[chosen] += 1
         self._total += 1
         return Routed(decision, chosen, ring_order)
@@ -122,6 +126,10 @@ class _View:
         instance = self._table.instance_of_tag.get(tag)
         if instance is None:
             return None
-        return CacheModel.of(
-            self.work(instance).written_tokens, self.model(instance).kv_cache_tokens
-        )
+        name = self._table.ids[instance]
+        model = self._store._cache_models.get(name)
+        if model is None:
+            model = self._store._cache_models[name] = CacheModel.of(
+                self.work(instance).written_tokens, self.model(instance).kv_cache_tokens
+            )
+        return model
