@@ -66,8 +66,8 @@ def test_choose(
 
 
 def test_the_in_flight_bound_follows_the_fleet_mean() -> None:
-    assert in_flight_bound(RULE, 0, 4) == pytest.approx(1.25)
-    assert in_flight_bound(RULE, 40, 8) == pytest.approx(1.25 * 6)
+    assert in_flight_bound(RULE, 0, 4) == pytest.approx(4)
+    assert in_flight_bound(RULE, 40, 8) == pytest.approx(1.25 * 5 + 4)
 
 
 # -- decide() over a fleet ---------------------------------------------------------------------

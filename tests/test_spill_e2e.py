@@ -144,11 +144,11 @@ async def test_a_hot_prefix_spreads_with_load_and_never_overloads_one(
 
     async with PeakSampler(stack) as sampler:
         served = await burst(stack, 100)
-    # The in-flight bound is 1.25 x (the fleet's mean + 1). One replica decides a burst in
+    # The in-flight bound is 1.25 x the fleet's mean + 4. One replica decides a burst in
     # order, each request seeing the ones before it. Replicas see each other's decisions one
     # Redis round trip late: a burst that reaches both at once may fill an instance to the
     # bound from each side (docs/reliability.md says so).
-    bound = math.ceil(stack.config.spill.load_factor * (100 / INSTANCES + 1)) * replicas
+    bound = math.ceil(stack.config.spill.load_factor * 100 / INSTANCES + 4) * replicas
     assert max(sampler.peak.values()) <= bound, (sampler.peak, uncounted_routing_stats(stack))
     assert sum(served.values()) == 100 and max(served.values()) <= bound, served
     assert len(served) >= 100 / bound and home in served, served

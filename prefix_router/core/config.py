@@ -74,7 +74,7 @@ class SpillConfig(_Frozen):
         gt=1.0,
         le=100.0,
         description="No instance takes new requests above load_factor x the fleet's mean "
-        "in-flight (+1) while another candidate can.",
+        "in-flight + 4 while another candidate can.",
     )
 
 
