@@ -134,6 +134,8 @@ class _Pending:
     arrival: Arrival
     turn: int
     history: tuple[Message, ...]
+    prefill_end: float = 0.0
+    """When the router modelled its prefill to end (given back with its release)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -177,6 +179,7 @@ class Simulation:
         self._store = InProcessStore(clock=lambda: self.now)
         """The routing state ext_proc would keep (index, prefill queues), on the virtual clock."""
         self._next_scrape = 0.0
+        self._prefill_end = 0.0
 
     # -- fleet --------------------------------------------------------------------------
 
@@ -217,7 +220,9 @@ class Simulation:
         if self.now >= self._next_scrape:
             self._learn(table)
         key = extract_key(body, settings=table.key_settings, path=path)
-        return self._engines[self._store.route_now(key, table).instance_id]
+        routed = self._store.route_now(key, table)
+        self._prefill_end = routed.prefill_end
+        return self._engines[routed.instance_id]
 
     def _learn(self, table: RoutingTable) -> None:
         """What the control plane learns from the instances' metrics every second: each
@@ -276,7 +281,8 @@ class Simulation:
         engine.peak = max(engine.peak, engine.in_flight)
         engine.requests += 1
         sent = (*history, *turn.messages)
-        self._pending[rid] = _Pending(record, engine, arrival, turn_index, sent)
+        self._pending[rid] = _Pending(record, engine, arrival, turn_index, sent,
+                                      self._prefill_end)
         engine.scheduler.add(seq)
         if engine.plan is None:
             self._step(engine, now)
@@ -327,7 +333,7 @@ class Simulation:
         window[0] += seq.prompt_len
         window[1] += seq.cached_tokens or 0
         pending.engine.in_flight -= 1
-        self._store.release(pending.engine.instance.id)
+        self._store.release(pending.engine.instance.id, pending.prefill_end)
         arrival, nxt = pending.arrival, pending.turn + 1
         if nxt < len(arrival.turns):
             answer = detokenize_output(seq.tokens[seq.prompt_len:seq.prompt_len + seq.num_output])

@@ -77,6 +77,8 @@ class RouteResult:
     """Instance id whose in-flight count this request holds, to release at its end."""
     store: RoutingStore | None = None
     """The store holding that count."""
+    prefill_end: float = 0.0
+    """When the store modelled the request's prefill to end (see ``RoutingStore.release``)."""
 
 
 class RequestRouter:
@@ -129,7 +131,7 @@ class RequestRouter:
             made.cached_tokens,
         )
         self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
-        return RouteResult(decision, key, routed.instance_id, store)
+        return RouteResult(decision, key, routed.instance_id, store, routed.prefill_end)
 
     async def _route(
         self, key: PrefixKey, table: RoutingTable, request_id: str
@@ -160,5 +162,5 @@ class RequestRouter:
     def finish(self, result: RouteResult) -> None:
         """The request ended (normally or not): give back its in-flight count."""
         if result.reserved is not None and result.store is not None:
-            result.store.release(result.reserved)
+            result.store.release(result.reserved, result.prefill_end)
             self.callbacks.on_finished(result.reserved)

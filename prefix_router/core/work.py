@@ -82,6 +82,19 @@ def admit(
     return InstanceWork(end, (*ends, end), work.written_tokens + written_tokens)
 
 
+def finished(work: InstanceWork, now: float, end: float) -> InstanceWork:
+    """``work`` after a request whose prefill was modelled to end at ``end`` finished at
+    ``now``: it had its first token, so the prefill queued up to ``end`` is done, whatever
+    the model said. An instance faster than its modelled rate (a rate not yet learned, or
+    a backend that is not vLLM) thus never looks busier than the requests still in flight
+    on it make it; when the model is right, ``end`` has passed and nothing changes."""
+    if end <= now:
+        return work
+    early = end - now  # the queue behind the request moves up by as much
+    ahead = tuple(e - early for e in work.ends[bisect_right(work.ends, end) :])
+    return InstanceWork(max(now, work.busy_until - early), ahead, work.written_tokens)
+
+
 MIN_PREFILL_SECONDS = 1.0
 """Prefill time a window of metrics must hold before a rate is learned from it."""
 

@@ -20,6 +20,8 @@ class Routed(NamedTuple):
     instance_id: str
     ring_order: tuple[int, ...]
     """The key's first ring instances (what :meth:`RoutingTable.header_for` needs)."""
+    prefill_end: float = 0.0
+    """When the request's prefill was modelled to end, on the store's clock."""
 
 
 class RoutingStore(Protocol):
@@ -28,9 +30,10 @@ class RoutingStore(Protocol):
         the fleet's state), record it (index, prefill queue) and count it in flight."""
         ...
 
-    def release(self, instance_id: str) -> None:
-        """Count one request on ``instance_id`` as ended. Never blocks: stores that
-        talk to a server flush releases in the background."""
+    def release(self, instance_id: str, prefill_end: float = 0.0) -> None:
+        """Count one request on ``instance_id`` as ended (its :attr:`Routed.prefill_end`
+        corrects the instance's modelled queue: :func:`prefix_router.core.work.finished`).
+        Never blocks: stores that talk to a server flush releases in the background."""
         ...
 
     async def in_flight(self) -> dict[str, int]:

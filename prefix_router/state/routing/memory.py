@@ -16,7 +16,7 @@ from prefix_router.core.decision import Load
 from prefix_router.core.index import CacheModel, InProcessIndex
 from prefix_router.core.key import PrefixKey
 from prefix_router.core.table import RoutingTable
-from prefix_router.core.work import InstanceModel, InstanceWork, admit
+from prefix_router.core.work import InstanceModel, InstanceWork, admit, finished
 from prefix_router.state.routing.base import Routed
 
 _IDLE = InstanceWork()
@@ -59,15 +59,18 @@ class InProcessStore:
         self._cache_models.pop(chosen, None)
         self._in_flight[chosen] += 1
         self._total += 1
-        return Routed(decision, chosen, ring_order)
+        return Routed(decision, chosen, ring_order, self._work[chosen].busy_until)
 
     async def route(self, key: PrefixKey, table: RoutingTable, request_id: str = "") -> Routed:
         return self.route_now(key, table)
 
-    def release(self, instance_id: str) -> None:
+    def release(self, instance_id: str, prefill_end: float = 0.0) -> None:
         if self._in_flight.get(instance_id, 0) > 0:
             self._in_flight[instance_id] -= 1
             self._total -= 1
+            work = self._work.get(instance_id)
+            if work is not None:
+                self._work[instance_id] = finished(work, self.clock(), prefill_end)
 
     def in_flight_now(self) -> dict[str, int]:
         return {k: v for k, v in self._in_flight.items() if v}

@@ -18,7 +18,9 @@ from prefix_router.core.index import EntryWrite
 KEYS = ("inflight", "share", "decisions", "spills", "index", "work")
 """KEYS of :data:`SYNC`, in order (see :class:`~.redis_store.Keys` for the names)."""
 
-ADMIT_FIELDS = ("id", "prefill_tokens", "written_tokens", "rate", "outcome", "home", "request")
+ADMIT_FIELDS = (
+    "id", "decided_at", "prefill_tokens", "written_tokens", "rate", "outcome", "home", "request"
+)  # fmt: skip
 """One routed request in :attr:`SyncArgs.admits`: its prefill to queue and its decision."""
 
 
@@ -28,9 +30,12 @@ class SyncArgs:
 
     reserves: list[str] = field(default_factory=list)
     """Instances that took a request since the last round trip: +1 in flight each."""
-    releases: list[str] = field(default_factory=list)
-    """Instances whose request ended: -1 in flight each (after the reserves)."""
-    admits: list[tuple[str, float, float, float, str, str, str]] = field(default_factory=list)
+    releases: list[tuple[str, float]] = field(default_factory=list)
+    """Instances whose request ended, with its modelled prefill end: -1 in flight each
+    (after the reserves), and the queue corrected (:func:`prefix_router.core.work.finished`)."""
+    admits: list[tuple[str, float, float, float, float, str, str, str]] = field(
+        default_factory=list
+    )
     """:data:`ADMIT_FIELDS` per request routed since the last round trip."""
     writes: list[EntryWrite] = field(default_factory=list)
     instances: Sequence[str] = ()
@@ -46,7 +51,9 @@ class SyncArgs:
     ) -> list[str | bytes | float]:
         args: list[str | bytes | float] = [ends_prefix, entry_bytes, slot_bytes, self.keep]
         args += [len(self.reserves), *self.reserves]
-        args += [len(self.releases), *self.releases]
+        args.append(len(self.releases))
+        for instance_id, end in self.releases:
+            args += [instance_id, end]
         args.append(len(self.admits))
         for admit in self.admits:
             args += admit
@@ -80,22 +87,36 @@ for _ = 1, tonumber(take()) do
   redis.call('HINCRBY', KEYS[1], id, 1)
   redis.call('HINCRBY', KEYS[2], id, 1)
 end
--- releases: this replica's share first, the fleet count only if the share had it
+-- releases: this replica's share first, the fleet count only if the share had it; a
+-- request that ended before its modelled prefill end proves the queue up to it done
 for _ = 1, tonumber(take()) do
-  local id = take()
+  local id, done = take(), tonumber(take())
   local left = redis.call('HINCRBY', KEYS[2], id, -1)
   if left <= 0 then redis.call('HDEL', KEYS[2], id) end
   if left >= 0 and redis.call('HINCRBY', KEYS[1], id, -1) <= 0 then
     redis.call('HDEL', KEYS[1], id)
   end
+  if done > now then
+    local early = done - now  -- the queue behind the request moves up by as much
+    local busy = tonumber(redis.call('HGET', KEYS[6], id .. ':busy')) or 0
+    redis.call('HSET', KEYS[6], id .. ':busy', tostring(math.max(now, busy - early)))
+    local ends = ends_prefix .. id
+    local kept = {}
+    for _, e in ipairs(redis.call('LRANGE', ends, 0, -1)) do
+      if tonumber(e) > done then kept[#kept + 1] = tostring(tonumber(e) - early) end
+    end
+    redis.call('DEL', ends)
+    if #kept > 0 then redis.call('RPUSH', ends, unpack(kept)) end
+  end
 end
 -- admits: queue the prefill after what is queued (any replica's); count the decision
 local counted = {}
 for _ = 1, tonumber(take()) do
-  local id, prefill, written, rate = take(), tonumber(take()), tonumber(take()), tonumber(take())
+  local id, decided_at = take(), tonumber(take())
+  local prefill, written, rate = tonumber(take()), tonumber(take()), tonumber(take())
   local outcome, home, request = take(), take(), take()
   local busy = tonumber(redis.call('HGET', KEYS[6], id .. ':busy')) or 0
-  local done = math.max(now, busy) + prefill / rate
+  local done = math.max(decided_at, busy) + prefill / rate  -- it arrived when decided
   redis.call('HSET', KEYS[6], id .. ':busy', tostring(done))
   redis.call('HINCRBYFLOAT', KEYS[6], id .. ':written', written)
   local ends = ends_prefix .. id

@@ -170,10 +170,10 @@ class RedisStore:
         self._wake.set()
         return await future
 
-    def release(self, instance_id: str) -> None:
+    def release(self, instance_id: str, prefill_end: float = 0.0) -> None:
         if self._local[instance_id] > 0:
             self._local[instance_id] -= 1
-            self._next.releases.append(instance_id)
+            self._next.releases.append((instance_id, prefill_end))
             self._wake_soon()
 
     async def in_flight(self) -> dict[str, int]:
@@ -255,6 +255,7 @@ class RedisStore:
             self._next.admits.append(
                 (
                     chosen,
+                    view.now,
                     float(decision.prefill_tokens),
                     float(decision.written_tokens),
                     rate,
@@ -265,7 +266,8 @@ class RedisStore:
             )
             self._next.reserves.append(chosen)
             self._local[chosen] += 1
-            w.future.set_result(Routed(decision, chosen, ring_order))
+            end = view.prefill_end(decision.instance)
+            w.future.set_result(Routed(decision, chosen, ring_order, end))
 
     async def _heartbeat(self) -> None:
         while not self._closing:
@@ -371,6 +373,10 @@ class _BatchView:
 
     def total_in_flight(self) -> int:
         return self._total
+
+    def prefill_end(self, instance: int) -> float:
+        """The instance's modelled prefill end, as of the last decision recorded here."""
+        return self._work[instance].busy_until
 
     def cache_model(self, tag: int) -> CacheModel | None:
         instance = self._table.instance_of_tag.get(tag)
