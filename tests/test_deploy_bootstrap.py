@@ -22,7 +22,8 @@ from prefix_router.ops.launch import start_envoy, start_ext_proc, start_module
 from prefix_router.ops.procs import envoy_binary, free_port
 from tests.conftest import REDIS_URL, ProcessReaper
 from tests.support.redis_ns import fresh_store, unique_namespace
-from tests.support.xds_stack import start_backends, wait_until
+from tests.support.wait import wait_until
+from tests.support.xds_stack import start_backends
 
 CONTAINER_ARGS = [
     "--listen-address", "0.0.0.0",

@@ -18,7 +18,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefix_router.core.config import RouterConfig
 from tests.conftest import ProcessReaper
 from tests.support.running_stack import RunningStack, running_stack
-from tests.support.xds_stack import wait_until
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 

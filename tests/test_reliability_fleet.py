@@ -19,7 +19,8 @@ from prefix_router.core.ring import Ring, ring_size_for
 from tests.conftest import ProcessReaper
 from tests.support.figures import report
 from tests.support.load import Load
-from tests.support.xds_stack import XdsStack, start_xds_stack, wait_until
+from tests.support.wait import wait_until
+from tests.support.xds_stack import XdsStack, start_xds_stack
 
 pytestmark = pytest.mark.e2e
 
