@@ -208,4 +208,3 @@ def start_xds_stack(
             stack.envoy_admin_port = admin
     wait_until(lambda: len(stack.envoy_hosts()) == backends, 10, "Envoy got its hosts over xDS")
     return stack, envoys
-
