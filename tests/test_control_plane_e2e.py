@@ -170,7 +170,7 @@ def test_several_envoys_follow_and_reconnect_after_a_control_plane_restart(
         wait_until(lambda: acked(admin) == {"envoy-0": "1.1", "envoy-1": "1.1"}, 30, "both ACK")
         assert stack.control_plane is not None
         stack.control_plane.stop()
-        wait_until(lambda: not control_plane_connected(stack), 30, "Envoy saw it go")
+        wait_until(lambda: not stack.control_plane_connected(), 30, "Envoy saw it go")
         # Envoy keeps serving on its last config while the control plane is away.
         assert httpx.post(f"{stack.url}/v1/chat/completions", content=chat("x")).status_code == 200
         stack.start_control_plane(procs)
@@ -181,12 +181,6 @@ def test_several_envoys_follow_and_reconnect_after_a_control_plane_restart(
         wait_until(lambda: acked(admin) == {"envoy-0": "2.1", "envoy-1": "2.1"}, 30, "2.1 ACKed")
         weights = {h: s["weight"] for h, s in stack.envoy_hosts().items()}
         assert weights[f"127.0.0.1:{stack.backend_ports[0]}"] == 3
-
-
-def control_plane_connected(stack: XdsStack) -> bool:
-    """Envoy's own view of its xDS stream (stat ``control_plane.connected_state``)."""
-    stats = stack.envoy_json("/stats?format=json&filter=^control_plane.connected_state$")
-    return bool(stats["stats"][0]["value"])
 
 
 def acked(admin: httpx.Client) -> dict[str, str]:

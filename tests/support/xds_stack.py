@@ -69,6 +69,11 @@ class XdsStack:
                 return dict(cfg)
         return None
 
+    def control_plane_connected(self) -> bool:
+        """Envoy's own view of its xDS stream (stat ``control_plane.connected_state``)."""
+        stats = self.envoy_json("/stats?format=json&filter=^control_plane.connected_state$")
+        return bool(stats["stats"][0]["value"])
+
     def converged(self) -> bool:
         """Every connected Envoy ACKed the published snapshot (CDS and EDS) and every
         ext_proc replica logged the routing table of the current fleet and config: from
