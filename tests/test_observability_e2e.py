@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -43,6 +42,11 @@ def logged(path: Path, **fields: Any) -> dict[str, Any] | None:
     )
 
 
+def in_flight(admin: httpx.Client) -> int:
+    """Fleet-wide requests in flight, as the control plane reads them from Redis."""
+    return sum(i["in_flight"] or 0 for i in admin.get("/status").json()["instances"])
+
+
 def test_one_request_id_through_envoy_ext_proc_and_the_backend(
     procs: ProcessReaper, tmp_path: Path
 ) -> None:
@@ -59,9 +63,12 @@ def test_one_request_id_through_envoy_ext_proc_and_the_backend(
                 responses.append(stack.chat(client, "Same prompt. " * 2000, max_tokens=60))
 
         threads = [threading.Thread(target=send) for _ in range(2)]
-        for t in threads:
-            t.start()
-            time.sleep(0.3)
+        with stack.admin() as admin:
+            for started, t in enumerate(threads, 1):
+                t.start()
+                # the next one is routed only once this one is counted (or done)
+                wait_until(lambda n=started: in_flight(admin) + len(responses) >= n, 30,
+                           "the request is counted in flight")  # fmt: skip
         for t in threads:
             t.join()
         assert [r.status_code for r in responses] == [200, 200]
