@@ -6,6 +6,7 @@ one ext_proc with ``--redis-url`` and Envoy with an xDS bootstrap, on free ports
 
 from __future__ import annotations
 
+import asyncio
 import json
 import time
 from pathlib import Path
@@ -19,8 +20,8 @@ from prefix_router.core.key import KeySettings, extract_key
 from prefix_router.core.ring import Ring
 from tests.conftest import ProcessReaper
 from tests.support.load import Load, Outcome
-from tests.support.wait import wait_until
-from tests.support.xds_stack import XdsStack, start_xds_stack, tables_applied
+from tests.support.wait import async_wait_until, wait_until
+from tests.support.xds_stack import TOKEN, XdsStack, start_xds_stack, tables_applied
 
 pytestmark = pytest.mark.e2e
 
@@ -212,3 +213,76 @@ def test_an_instance_named_by_dns_is_published_by_ip_and_routed_where_the_mirror
             assert picked is not None and str(picked.port) == answer.json()["backend"]
             served.add(answer.json()["backend"])
         assert str(named) in served and len(served) == 3
+
+
+SIM_MODEL = "meta-llama/Llama-3.1-70B-Instruct"
+STREAMED = 150  # ~20 ms a decode step at time scale 1: ~3 s of streaming
+
+
+async def test_a_drain_lets_the_streams_in_flight_finish_then_removes_the_instance(
+    namespace: str, procs: ProcessReaper, log_dir: Path
+) -> None:
+    """Three streamed generations on one simulated instance when its removal starts: new
+    requests go elsewhere at once, the three stream to their last token, and the instance
+    goes only once nothing is in flight on it (not at the drain timeout)."""
+    stack, _ = start_xds_stack(
+        procs, log_dir, namespace, backends=2, sim_args=["--time-scale", "1"],
+        extra_cp_args=["--drain-grace", "0.5"],
+    )  # fmt: skip
+    prompt = "a long shared system prompt " * 20
+    streamed = {
+        "model": SIM_MODEL, "stream": True, "max_tokens": STREAMED, "ignore_eos": True,
+        "messages": [{"role": "user", "content": prompt}],
+    }  # fmt: skip
+    url = f"{stack.url}/v1/chat/completions"
+    headers = {"Authorization": f"Bearer {TOKEN}"}
+    async with (
+        httpx.AsyncClient(timeout=60) as client,
+        httpx.AsyncClient(base_url=stack.admin_url, headers=headers, timeout=30) as admin,
+    ):
+        streams = []
+        try:
+            for _ in range(3):
+                request = client.build_request("POST", url, content=json.dumps(streamed))
+                streams.append(await client.send(request, stream=True))
+            lines = [r.aiter_lines() for r in streams]
+            for it in lines:  # every generation has started (its role chunk came)
+                assert (await anext(it)).startswith("data: {")
+            homes = {r.headers["x-sim-instance"] for r in streams}
+            assert len(homes) == 1, homes  # one prompt, one home
+            home = f"127.0.0.1:{homes.pop()}"
+
+            r = await admin.delete(f"/instances/{home}")
+            assert r.status_code == 202 and r.json()["instance"]["state"] == "draining"
+            status = (await admin.get("/status")).json()
+            [draining] = [i for i in status["instances"] if f"127.0.0.1:{i['port']}" == home]
+            assert draining["removing"] and draining["in_flight"] == 3, draining
+
+            await asyncio.to_thread(wait_until, stack.converged, 30, "the drain reached all")
+            short = {**streamed, "stream": False, "max_tokens": 1}
+            for _ in range(5):  # the same prompt now goes to the other instance
+                answer = await client.post(url, content=json.dumps(short))
+                assert answer.status_code == 200
+                assert f"127.0.0.1:{answer.headers['x-sim-instance']}" != home
+
+            for response, it in zip(streams, lines, strict=True):
+                rest = [line async for line in it if line.startswith("data: ")]
+                assert response.status_code == 200
+                assert rest[-1] == "data: [DONE]"
+                tokens = [line for line in rest[:-1] if '"role"' not in line]
+                assert len(tokens) == STREAMED, len(tokens)  # every token, to the last
+        finally:
+            for response in streams:
+                await response.aclose()
+
+        async def removed() -> bool:
+            ids = [
+                f"127.0.0.1:{i['port']}"
+                for i in (await admin.get("/instances")).json()["instances"]
+            ]
+            return home not in ids
+
+        await async_wait_until(removed, 30, "the drained instance is removed")
+        audit = (await admin.get("/audit")).json()
+        [removal] = [e for e in audit if e["target"] == home and e["actor"] == "drainer"]
+        assert removal["action"] == "remove-instance (drained, in flight 0)", removal
