@@ -27,7 +27,12 @@ from prefix_router.ops.launch import start_redis_server
 from prefix_router.ops.procs import ManagedProcess, free_port
 from tests.conftest import ProcessReaper
 from tests.support.figures import report
-from tests.support.static_stack import StaticStack, start_ext_proc_for, start_static_stack
+from tests.support.static_stack import (
+    StaticStack,
+    envoy_stats,
+    start_ext_proc_for,
+    start_static_stack,
+)
 from tests.support.wait import async_wait_until, wait_until
 
 pytestmark = pytest.mark.e2e
@@ -260,13 +265,6 @@ async def test_a_hung_redis_fails_no_request_and_every_decision_stays_bounded(
     assert stats["http.data_plane.ext_proc.message_timeouts"] == 0, stats
     assert stats["http.data_plane.ext_proc.failure_mode_allowed"] == 0, stats
     await counted_in(own_redis, stack)
-
-
-def envoy_stats(stack: StaticStack, contains: str) -> dict[str, int]:
-    with urllib.request.urlopen(
-        f"http://127.0.0.1:{stack.admin_port}/stats?format=json&filter={contains}", timeout=5
-    ) as r:
-        return {s["name"]: int(s["value"]) for s in json.load(r)["stats"] if "value" in s}
 
 
 def envoy_health(stack: StaticStack) -> dict[str, bool]:
