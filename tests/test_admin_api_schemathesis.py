@@ -1,12 +1,16 @@
 """Property-based API testing of the admin API from its own OpenAPI schema (schemathesis):
-whatever the input, never a 5xx. Against a real control-plane process and real Redis."""
+whatever the input, never a 5xx, and a refused call (4xx) changes nothing: the fleet, the
+config, their versions and the audit log read the same before and after it. Plus a table
+of known-bad calls. Against a real control-plane process and real Redis."""
 
 from __future__ import annotations
 
 import asyncio
 from collections.abc import Iterator
 from pathlib import Path
+from typing import Any
 
+import httpx
 import pytest
 import schemathesis
 from hypothesis import HealthCheck, given, settings
@@ -58,20 +62,90 @@ def admin_schema(admin_url: str) -> schemathesis.BaseSchema:
     return schemathesis.openapi.from_url(f"{admin_url}/openapi.json", headers=AUTH)
 
 
-def test_no_input_makes_the_admin_api_fail(admin_schema: schemathesis.BaseSchema) -> None:
+def state_of(admin_url: str) -> dict[str, Any] | None:
+    """Everything a call could change, or None while a drain is under way (the drainer
+    changes the fleet by itself then, so a before/after comparison would prove nothing)."""
+    with httpx.Client(base_url=admin_url, headers=AUTH, timeout=10) as admin:
+        instances = admin.get("/instances").json()
+        if instances["removing"]:
+            return None
+        status = admin.get("/status").json()
+        return {
+            "instances": instances,
+            "config": admin.get("/config").json(),
+            "versions": (status["fleet_version"], status["config_version"]),
+            "audit": admin.get("/audit", params={"limit": 1000}).json(),
+        }
+
+
+def test_no_input_makes_the_admin_api_fail_and_a_refused_one_changes_nothing(
+    admin_url: str, admin_schema: schemathesis.BaseSchema
+) -> None:
     operations = [result.ok() for result in admin_schema.get_all_operations()]
     assert len(operations) >= 8
+    refused: list[tuple[str, str]] = []
     for operation in operations:
 
         @given(case=operation.as_strategy())
         @settings(max_examples=20, deadline=None, suppress_health_check=list(HealthCheck))
         def never_a_server_error(case: schemathesis.Case) -> None:
+            before = state_of(admin_url)
             response = case.call(headers=AUTH)
             assert response.status_code < 500, (case.method, case.path, response.text)
+            if 400 <= response.status_code < 500 and before is not None:
+                assert state_of(admin_url) == before, (case.method, case.path, response.text)
+                refused.append((case.method, case.path))
             if case.path in PUBLIC:
                 return
+            before = state_of(admin_url)
             unauthorized = case.call(headers={"Authorization": "Bearer wrong"})
             assert unauthorized.status_code == 401, (case.method, case.path)
             assert TOKEN not in unauthorized.text
+            if before is not None:
+                assert state_of(admin_url) == before, (case.method, case.path, "401")
 
         never_a_server_error()
+    # The comparison ran on refused writes, not only on reads.
+    assert {m for m, _ in refused} >= {"PATCH", "POST", "PUT"}, sorted(set(refused))
+
+
+BAD_CALLS = [
+    ("PATCH", "/config", {"prefix_length": 0}, 422),
+    ("PATCH", "/config", {"prefix_length": 2**40}, 422),
+    ("PATCH", "/config", {"prefix_mode": "tokens"}, 422),
+    ("PATCH", "/config", {"no_such_setting": 1}, 422),
+    ("PATCH", "/config", {"health_check": {"interval_ms": -1}}, 422),
+    ("PATCH", "/config", [1, 2], 422),
+    ("PUT", "/config", {"prefix_length": "long"}, 422),
+    ("POST", "/instances", {"address": "", "port": 8000}, 422),
+    ("POST", "/instances", {"address": "127.0.0.1", "port": 0}, 422),
+    ("POST", "/instances", {"address": "127.0.0.1", "port": 8000, "weight": 0}, 422),
+    ("POST", "/instances", {"address": "127.0.0.1", "port": 9}, 409),  # already there
+    ("PATCH", "/instances/127.0.0.1:9", {"weight": 129}, 422),
+    ("PATCH", "/instances/127.0.0.1:9", {"state": "gone"}, 422),
+    ("PATCH", "/instances/10.9.9.9:1", {"weight": 2}, 404),
+    ("DELETE", "/instances/10.9.9.9:1", None, 404),
+    ("POST", "/instances/10.9.9.9:1/drain", None, 404),
+]
+
+
+@pytest.mark.parametrize(("method", "path", "body", "code"), BAD_CALLS)
+def test_a_refused_call_says_why_and_changes_nothing(
+    admin_url: str, method: str, path: str, body: object, code: int
+) -> None:
+    before = state_of(admin_url)
+    assert before is not None  # the table makes no change that starts a drain
+    with httpx.Client(base_url=admin_url, headers=AUTH, timeout=10) as admin:
+        response = admin.request(method, path, json=body)
+        malformed = (
+            admin.request(
+                method, path, content=b"{not json", headers={"content-type": "application/json"}
+            )
+            if body is not None
+            else None
+        )
+    assert response.status_code == code, response.text
+    assert response.json()["detail"], response.text  # a reason, not only a code
+    if malformed is not None:
+        assert malformed.status_code == 422, malformed.text
+    assert state_of(admin_url) == before
