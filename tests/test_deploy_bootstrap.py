@@ -220,7 +220,7 @@ def test_names_resolve_through_real_envoy(procs: ProcessReaper, log_dir: Path) -
             r = httpx.post(url, json=body, timeout=5)
             return r.status_code == 200 and bool(r.json()["prefix_key"])
 
-        wait_until(routed, 15, "a request through Envoy got a prefix key from ext_proc")
+        wait_until(routed, 30, "a request through Envoy got a prefix key from ext_proc")
         keys = set()
         for _ in range(20):
             r = httpx.post(url, json=body, timeout=5)

@@ -86,7 +86,7 @@ def test_one_request_id_through_envoy_ext_proc_and_the_backend(
         envoy_log = logs / "envoy.log"
         for response in responses:
             rid = response.headers["x-request-id"]
-            wait_until(lambda rid=rid: logged(envoy_log, request_id=rid), 15, f"Envoy logs {rid}")
+            wait_until(lambda rid=rid: logged(envoy_log, request_id=rid), 30, f"Envoy logs {rid}")
             entry = logged(envoy_log, request_id=rid)
             assert entry is not None
             assert entry["status"] == 200 and entry["path"] == "/v1/chat/completions"
@@ -101,7 +101,7 @@ def test_one_request_id_through_envoy_ext_proc_and_the_backend(
         with httpx.Client(timeout=30) as client:
             mine = stack.chat(client, "hi", headers={"x-request-id": "client-chosen-id-1"})
         assert mine.status_code == 200 and mine.headers["x-request-id"] == "client-chosen-id-1"
-        wait_until(lambda: logged(envoy_log, request_id="client-chosen-id-1"), 15, "Envoy logs it")
+        wait_until(lambda: logged(envoy_log, request_id="client-chosen-id-1"), 30, "Envoy logs it")
 
 
 def documented_envoy_stats() -> list[tuple[str, str, dict[str, str]]]:

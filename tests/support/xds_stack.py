@@ -211,5 +211,5 @@ def start_xds_stack(
             stack.envoy = envoy
             stack.url = f"http://127.0.0.1:{listen}"
             stack.envoy_admin_port = admin
-    wait_until(lambda: len(stack.envoy_hosts()) == backends, 10, "Envoy got its hosts over xDS")
+    wait_until(lambda: len(stack.envoy_hosts()) == backends, 30, "Envoy got its hosts over xDS")
     return stack, envoys
