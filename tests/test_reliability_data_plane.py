@@ -15,7 +15,7 @@ import signal
 import time
 import urllib.request
 from collections import Counter
-from collections.abc import Callable, Iterator
+from collections.abc import Iterator
 from pathlib import Path
 
 import httpx
@@ -154,10 +154,6 @@ class Background:
         await async_wait_until(lambda: self.sent() >= target, 60, f"{n} requests {what}")
 
 
-def wait_for(predicate: Callable[[], object], timeout: float, what: str = "") -> float:
-    return wait_until(predicate, timeout, what or "the condition holds")
-
-
 def sticky(stack: StaticStack, prompt: str, n: int = 5) -> bool:
     with httpx.Client(timeout=10) as client:
         seen = {
@@ -192,7 +188,7 @@ async def test_ext_proc_killed_mid_load_fails_no_request_and_recovers(
         restarted = procs.add(start_ext_proc_for(stack, stack.ext_proc_ports[0], log_dir))
         stack.ext_procs[0] = restarted
         resumed_after = await asyncio.to_thread(
-            wait_for, lambda: sticky(stack, "sticky " * 50), 30, "routing by prefix resumed"
+            wait_until, lambda: sticky(stack, "sticky " * 50), 30, "routing by prefix resumed"
         )
         await load.more(50, "after the restart")
     codes = load.codes
@@ -204,7 +200,7 @@ async def test_ext_proc_killed_mid_load_fails_no_request_and_recovers(
     )
     assert set(codes) == {200}, codes
     # The killed replica's counts go when its heartbeat expires and a janitor reaps them.
-    await asyncio.to_thread(wait_for, lambda: own_redis.in_flight() == {}, 30, "counts reaped")
+    await asyncio.to_thread(wait_until, lambda: own_redis.in_flight() == {}, 30, "counts reaped")
 
 
 async def test_redis_stopped_and_restarted_mid_load_fails_no_request(
@@ -231,9 +227,9 @@ async def counted_in(own_redis: OwnRedis, stack: StaticStack) -> None:
     body = chat("after the outage " * 20, max_tokens=200)
     async with httpx.AsyncClient(timeout=30) as client:
         pending = asyncio.create_task(client.post(f"{stack.url}/v1/chat/completions", content=body))
-        await asyncio.to_thread(wait_for, lambda: own_redis.in_flight() != {}, 30, "counted")
+        await asyncio.to_thread(wait_until, lambda: own_redis.in_flight() != {}, 30, "counted")
         assert (await pending).status_code == 200
-    await asyncio.to_thread(wait_for, lambda: own_redis.in_flight() == {}, 30, "given back")
+    await asyncio.to_thread(wait_until, lambda: own_redis.in_flight() == {}, 30, "given back")
 
 
 async def test_a_hung_redis_fails_no_request_and_every_decision_stays_bounded(
@@ -296,7 +292,7 @@ async def test_a_hung_instance_is_taken_out_by_health_checks(
         try:
             hc = stack.config.health_check
             took = await asyncio.to_thread(
-                wait_for, lambda: not envoy_health(stack)[victim], 30, "health checks take it out"
+                wait_until, lambda: not envoy_health(stack)[victim], 30, "health checks take it out"
             )
             # unhealthy_threshold failed checks, each up to timeout, interval apart (+ jitter).
             bound = (hc.unhealthy_threshold * (hc.interval_ms + hc.timeout_ms)) / 1000 + 1.0
@@ -330,7 +326,7 @@ async def test_when_every_health_check_fails_at_once_requests_still_go_through(
             assert (await client.post(f"http://{instance.id}/sim/fault", json=slow)).is_success
         try:
             await asyncio.to_thread(
-                wait_for, lambda: not any(envoy_health(stack).values()), 30, "every check fails"
+                wait_until, lambda: not any(envoy_health(stack).values()), 30, "every check fails"
             )
             codes = await load(stack, seconds=2, concurrency=6)
             report("every health check failing", sent=sum(codes.values()), codes=dict(codes))
