@@ -53,9 +53,9 @@ def test_one_request_id_through_envoy_ext_proc_and_the_backend(
     config = RouterConfig.model_validate({"concurrency_threshold": 1})
     with running_stack(procs, tmp_path, instances=2, sim_time_scale=1.0, config=config) as stack:
         logs = stack.log_dir
-        # the same long prompt twice, 0.3 s apart: the first is still in its prefill (6,500
-        # tokens, 0.8 s at the default rate) so its holder is at the threshold: the second
-        # spills
+        # the same long prompt twice, the second sent once the first is counted in flight:
+        # the first is then still in its prefill (6,500 tokens, 0.8 s at the default rate),
+        # so its holder is at the threshold: the second spills
         responses: list[httpx.Response] = []
 
         def send() -> None:

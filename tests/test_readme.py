@@ -64,3 +64,15 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "make test" in README and "make run" in README
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
     assert ci[-1] == "make test"
+
+
+def test_every_test_docs_testing_md_names_exists() -> None:
+    """docs/testing.md maps each documented guarantee to a test: each named test exists."""
+    text = (ROOT / "docs" / "testing.md").read_text()
+    named = re.findall(r"`(test_\w+\.py)(?:::(test_\w+))?`", text)
+    assert len(named) > 20
+    for file, test in named:
+        path = ROOT / "tests" / file
+        assert path.exists(), file
+        if test:
+            assert re.search(rf"^(async )?def {test}\(", path.read_text(), re.M), (file, test)
