@@ -14,7 +14,7 @@ from pathlib import Path
 import httpx
 import pytest
 
-from prefix_router.core.config import PrefixMode
+from prefix_router.core.config import PrefixMode, RouterConfig
 from prefix_router.core.fleet import Fleet
 from prefix_router.core.key import KeySettings, extract_key
 from prefix_router.core.ring import Ring
@@ -92,7 +92,8 @@ def test_config_changes_reach_every_ext_proc_replica_and_envoy_and_bad_ones_chan
 ) -> None:
     """Two ext_proc replicas behind one Envoy: each follows every config change (the README's
     "every ext_proc replica follows"); refused changes reach neither them nor Envoy."""
-    stack, _ = start_xds_stack(procs, log_dir, namespace, backends=2, ext_procs=2)
+    config = RouterConfig.model_validate({"spill": {"policy": "none"}})  # keys, not steering
+    stack, _ = start_xds_stack(procs, log_dir, namespace, backends=2, ext_procs=2, config=config)
     body = chat("same prompt " * 10)
     with stack.admin() as admin, httpx.Client(timeout=10) as client:
         # No token, wrong token: 401, from the real process.
