@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+from typing import Any
 
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
@@ -13,6 +14,7 @@ from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, Snapshot, build_
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.envoy.addresses import is_ip_literal, names_in, publishable, resolve, resolve_now
+from tests.support.wait import async_wait_until
 
 IP = Instance("10.0.0.1", 8000)
 NAMED = Instance("vllm-0.vllm.ns.svc", 8000)
@@ -88,18 +90,22 @@ async def test_the_publisher_resolves_a_new_name_at_once_and_republishes() -> No
     named = Instance("localhost", 8001)
     resolver = asyncio.create_task(keep_names_resolved(publisher, stop, interval_s=60))
     try:
-        await asyncio.sleep(0.05)
         publisher.on_state(Fleet.of([IP, named], version=3), RouterConfig(), 1)
         first = cache.get_snapshot(ALL_NODES)
         assert first is not None and [e[0] for e in endpoints(first)] == ["10.0.0.1"]
-        for _ in range(100):  # woken by the new name, not by the 60 s interval
+
+        def republished() -> Any:
             published = cache.get_snapshot(ALL_NODES)
-            if published is not None and published.version != first.version:
-                break
-            await asyncio.sleep(0.02)
+            return published if published and published.version != first.version else None
+
+        # woken by the new name: the deadline is half the resolver's 60 s interval
+        await async_wait_until(republished, 30, "the name's address is published")
+        published = republished()
         assert published is not None and published.version.startswith("3.1.")
-        assert endpoints(published) == [("10.0.0.1", IP.id, None),
-                                        ("127.0.0.1", named.id, named.id)]
+        assert endpoints(published) == [
+            ("10.0.0.1", IP.id, None),
+            ("127.0.0.1", named.id, named.id),
+        ]
     finally:
         stop.set()
         await asyncio.wait_for(resolver, 5)

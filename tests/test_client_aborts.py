@@ -85,7 +85,7 @@ async def test_thousand_requests_with_30_percent_aborts_leak_nothing(
     assert outcomes["completed"] < 800 and outcomes["aborted-mid-stream"] > 50, outcomes
 
     redis_client = aioredis.Redis.from_url(REDIS_URL)
-    deadline = time.monotonic() + 5
+    deadline = time.monotonic() + 30  # a generous deadline: the loop ends at rest
     try:
         while time.monotonic() < deadline:
             got = samples(metrics_url)

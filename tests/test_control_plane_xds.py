@@ -28,6 +28,7 @@ from control_plane.snapshot import (
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance, InstanceState
 from prefix_router.ops.procs import free_port
+from tests.support.wait import async_wait_until
 
 A = Instance("10.0.0.1", 8000)
 B = Instance("10.0.0.2", 8000, weight=3, hash_key="b")
@@ -316,8 +317,7 @@ async def test_a_nack_is_recorded_with_envoys_error_and_the_version_not_resent(
     fixed = await expect(envoy, CLUSTER_TYPE, "3.1")
     envoy.ack(fixed)
     await envoy.recv()
-    await asyncio.sleep(0.05)
-    assert "cds" not in clients.clients["e1"].nacked
+    await async_wait_until(lambda: "cds" not in clients.clients["e1"].nacked, 30, "NACK cleared")
     await envoy.close()
 
 
@@ -351,8 +351,11 @@ async def test_several_nodes_and_a_reconnect_get_the_same_state(xds: XdsFixture)
     again = Envoyish(channel, "e0")
     again.send(CLUSTER_TYPE, version="4.1")
     assert (await again.recv()).version_info == "4.1"
-    await asyncio.sleep(0.05)
-    assert clients.clients["e0"].streams and not clients.clients["e1"].streams
+    await async_wait_until(
+        lambda: clients.clients["e0"].streams and not clients.clients["e1"].streams,
+        30,
+        "e0 reconnected and the closed streams are gone",
+    )
     await again.close()
 
 

@@ -11,11 +11,15 @@ from pathlib import Path
 
 import httpx
 import pytest
+import uvicorn
 
 from prefix_router.core.config import RouterConfig
+from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.ring import Ring
+from prefix_router.envoy.cluster import model_cluster
 from tests.conftest import ProcessReaper
-from tests.support.static_stack import StaticStack, start_static_stack
+from tests.support.static_stack import StaticStack, envoy_stats, start_static_stack
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -184,3 +188,29 @@ def test_envoy_closes_connections_past_its_limit_and_keeps_serving(
     assert any(int(line.rsplit(" ", 1)[1]) > 0 for line in stats.text.splitlines()), stats.text
     with httpx.Client(timeout=10) as client:
         post(client, stack, chat("still serving"))
+
+
+def test_envoy_closes_idle_upstream_connections_before_the_server_does(
+    procs: ProcessReaper, log_dir: Path
+) -> None:
+    """A request sent on a connection the server is closing fails before reaching it. The
+    model cluster's idle timeout is shorter than uvicorn's keep-alive (vLLM runs on
+    uvicorn; so does the echo backend, with uvicorn's default), so Envoy closes first."""
+    keep_alive = uvicorn.Config(app=None).timeout_keep_alive
+    cluster = model_cluster(RouterConfig(), Fleet.of([Instance("127.0.0.1", 1)]), eds=False)
+    options = next(iter(cluster["typed_extension_protocol_options"].values()))
+    idle = float(options["common_http_protocol_options"]["idle_timeout"].rstrip("s"))
+    assert idle < keep_alive, (idle, keep_alive)
+
+    stack = start_static_stack(procs, log_dir, backends=1)
+    with httpx.Client(timeout=10) as client:
+        answer = client.post(f"{stack.url}/v1/chat/completions", content=chat("idle after me"))
+    assert answer.status_code == 200
+
+    def closed_by_envoy() -> bool:
+        stats = envoy_stats(stack, r"^cluster\.models\.upstream_cx_idle_timeout$")
+        return stats["cluster.models.upstream_cx_idle_timeout"] >= 1
+
+    wait_until(closed_by_envoy, 30, "Envoy closes the idle upstream connection")
+    stats = envoy_stats(stack, r"^cluster\.models\.upstream_cx_(destroy_remote|active)$")
+    assert stats["cluster.models.upstream_cx_destroy_remote"] == 0, stats  # never the server

@@ -22,7 +22,8 @@ from prefix_router.ops.launch import start_envoy, start_ext_proc, start_module
 from prefix_router.ops.procs import envoy_binary, free_port
 from tests.conftest import REDIS_URL, ProcessReaper
 from tests.support.redis_ns import fresh_store, unique_namespace
-from tests.support.xds_stack import start_backends, wait_until
+from tests.support.wait import wait_until
+from tests.support.xds_stack import start_backends
 
 CONTAINER_ARGS = [
     "--listen-address", "0.0.0.0",
@@ -219,7 +220,7 @@ def test_names_resolve_through_real_envoy(procs: ProcessReaper, log_dir: Path) -
             r = httpx.post(url, json=body, timeout=5)
             return r.status_code == 200 and bool(r.json()["prefix_key"])
 
-        wait_until(routed, 15, "a request through Envoy got a prefix key from ext_proc")
+        wait_until(routed, 30, "a request through Envoy got a prefix key from ext_proc")
         keys = set()
         for _ in range(20):
             r = httpx.post(url, json=body, timeout=5)

@@ -34,7 +34,7 @@ from prefix_router.ops.bootstrap_cli import build
 from prefix_router.ops.launch import start_envoy, start_ext_proc, start_module
 from prefix_router.ops.procs import ManagedProcess, free_port
 from tests.conftest import REDIS_URL, ProcessReaper
-from tests.support.xds_stack import wait_until
+from tests.support.wait import wait_until
 from tests.test_deploy_compose import COMPOSE_DIR, load_compose
 from tests.test_deploy_k8s import container
 

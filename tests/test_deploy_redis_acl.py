@@ -27,7 +27,7 @@ from ext_proc.servicer import PROCESS_PATH
 from prefix_router.ops.launch import start_ext_proc, start_module
 from prefix_router.ops.procs import ManagedProcess, cli_command, free_port
 from tests.conftest import ProcessReaper
-from tests.support.xds_stack import wait_until
+from tests.support.wait import wait_until
 from tests.test_deploy_cli_contract import ROOT
 from tests.test_deploy_compose import COMPOSE_DIR
 

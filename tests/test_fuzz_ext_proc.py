@@ -149,9 +149,9 @@ async def run_session(body: bytes, path: str, tenant: str) -> list[pb.Processing
 def test_the_session_answers_every_message_and_releases_its_count(
     body: bytes, path: str, tenant: str
 ) -> None:
-    started = time.perf_counter()
+    # Time per body is a figure, not a pass mark: bench/scripts/key_extraction.py measures it
+    # on bodies up to 1 MB and past openai_max_parse_bytes.
     responses = asyncio.run(run_session(body, path, tenant))
-    assert time.perf_counter() - started < 1.0  # bounded, with room for a busy machine
     kinds = [r.WhichOneof("response") for r in responses]
     assert kinds == ["request_headers", "request_body", "response_headers"]
     mutation = responses[1].request_body.response.header_mutation.set_headers
@@ -181,8 +181,10 @@ class GatedStore(InProcessStore):
     def __init__(self) -> None:
         super().__init__()
         self.gate = asyncio.Event()
+        self.waiting = asyncio.Event()
 
     async def route(self, *args: Any, **kwargs: Any) -> Any:
+        self.waiting.set()
         await self.gate.wait()
         return await super().route(*args, **kwargs)
 
@@ -196,7 +198,7 @@ async def test_a_stream_that_ends_while_its_request_is_routed_gives_the_count_ba
     routing = session.on_message(body)
     assert routing is not None and not isinstance(routing, bytes)
     pending = asyncio.ensure_future(routing)
-    await asyncio.sleep(0.01)
+    await asyncio.wait_for(store.waiting.wait(), 30)  # the decision waits on the store
     session.on_end(cancelled=True)  # the client went away mid-decision
     store.gate.set()
     reply = await pending

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
-from collections.abc import AsyncIterator
+from collections.abc import AsyncIterator, Callable
 from dataclasses import dataclass, field
 
 import grpc
@@ -32,6 +32,7 @@ from ext_proc.http2.grpc_server import (
     StatusCode,
     frame_message,
 )
+from tests.support.wait import async_wait_until
 
 ECHO = "/test.Echo/Stream"
 SLOW_FIRST = "/test.Echo/SlowFirst"
@@ -114,12 +115,8 @@ async def call(ch: grpc.aio.Channel, path: str, messages: list[bytes]) -> list[b
     return [m async for m in raw_stream(ch, path)(iter(messages))]
 
 
-async def eventually(condition: object, timeout: float = 2.0) -> None:
-    for _ in range(int(timeout / 0.01)):
-        if callable(condition) and condition():
-            return
-        await asyncio.sleep(0.01)
-    raise AssertionError("condition not reached")
+async def eventually(condition: Callable[[], object], timeout: float = 30.0) -> None:
+    await async_wait_until(condition, timeout, "the condition holds")
 
 
 # -- end to end with grpcio's client ----------------------------------------------------------
@@ -176,7 +173,7 @@ async def test_three_thousand_concurrent_calls(served: tuple) -> None:
         held = [raw_stream(ch, HOLD)() for _ in range(3000)]
         for c in held:
             await c.write(b"x")
-        await eventually(lambda: server.open_calls == 3000, timeout=20)
+        await eventually(lambda: server.open_calls == 3000, timeout=60)
         for c in held:
             await c.done_writing()
         for c in held:
@@ -209,7 +206,7 @@ async def test_a_graceful_stop_lets_open_calls_finish_and_refuses_new_ones() -> 
         assert not stopping.done()  # the open call holds the stop
         await held.done_writing()
         assert await held.code() is grpc.StatusCode.OK
-        await asyncio.wait_for(stopping, 2.0)
+        await asyncio.wait_for(stopping, 30.0)
         with pytest.raises(grpc.aio.AioRpcError) as refused:
             await asyncio.wait_for(call(ch, HOLD, [b"x"]), 5.0)
         assert refused.value.code() is grpc.StatusCode.UNAVAILABLE
@@ -229,8 +226,9 @@ async def test_a_stop_cuts_calls_that_outlive_the_grace() -> None:
 class H2Client:
     """A plain HTTP/2 client on the h2 library, over asyncio streams."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 window: int = 65_535) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, window: int = 65_535
+    ) -> None:
         self.reader, self.writer = reader, writer
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         self.conn.local_settings = h2.settings.Settings(
@@ -250,8 +248,14 @@ class H2Client:
     def request(self, path: str, stream_id: int) -> None:
         self.conn.send_headers(
             stream_id,
-            [(":method", "POST"), (":scheme", "http"), (":path", path),
-             (":authority", "test"), ("content-type", "application/grpc"), ("te", "trailers")],
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", path),
+                (":authority", "test"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+            ],
         )
         self.flush()
 
@@ -265,8 +269,9 @@ class H2Client:
             for event in self.conn.receive_data(data):
                 seen.append(event)
                 if isinstance(event, h2.events.DataReceived) and ack_data:
-                    self.conn.acknowledge_received_data(event.flow_controlled_length,
-                                                        event.stream_id)
+                    self.conn.acknowledge_received_data(
+                        event.flow_controlled_length, event.stream_id
+                    )
             self.flush()
             if any(isinstance(e, until) for e in seen):
                 return seen
@@ -310,21 +315,33 @@ async def test_padded_data_and_a_header_block_in_continuation_frames(served: tup
     server, _ = served
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     block = hpack.Encoder().encode(
-        [(":method", "POST"), (":scheme", "http"), (":path", ECHO), (":authority", "t"),
-         ("content-type", "application/grpc"), ("x-filler", "f" * 3000)]
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", ECHO),
+            (":authority", "t"),
+            ("content-type", "application/grpc"),
+            ("x-filler", "f" * 3000),
+        ]
     )
     headers = HeadersFrame(1, block[:1000])
     continued = ContinuationFrame(1, block[1000:2000])
     last = ContinuationFrame(1, block[2000:], flags=["END_HEADERS"])
     data = DataFrame(1, frame_message(b"padded"), flags=["PADDED", "END_STREAM"])
     data.pad_length = 40
-    writer.write(PREFACE + encode_frame(4, 0, 0) + b"".join(
-        f.serialize() for f in (headers, continued, last, data)))
+    writer.write(
+        PREFACE
+        + encode_frame(4, 0, 0)
+        + b"".join(f.serialize() for f in (headers, continued, last, data))
+    )
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()  # the state machine only: what it would send is dropped
     client.data_to_send()
-    client.send_headers(1, [(":method", "POST"), (":path", ECHO), (":scheme", "http"),
-                            (":authority", "t")], end_stream=True)
+    client.send_headers(
+        1,
+        [(":method", "POST"), (":path", ECHO), (":scheme", "http"), (":authority", "t")],
+        end_stream=True,
+    )
     client.data_to_send()
     seen: list[h2.events.Event] = []
     while not any(isinstance(e, h2.events.StreamEnded) for e in seen):
@@ -388,8 +405,11 @@ async def test_a_client_that_never_reads_stops_being_read(served: tuple) -> None
     pings = encode_frame(6, 0, 0, b"12345678") * 1000
     for _ in range(400):  # 6.8 MB of PINGs: as many bytes of ACKs
         writer.write(pings)
-    await asyncio.sleep(2.0)
-    (connection,) = server._connections  # private: the server's side of this connection
-    assert connection._transport is not None
-    assert connection._transport.get_write_buffer_size() < 1_000_000
+    # private: the server's side of this connection, and its transport
+    await eventually(lambda: len(server._connections) == 1)
+    (connection,) = server._connections
+    transport = connection._transport
+    assert transport is not None
+    await eventually(lambda: not transport.is_reading())  # it stopped reading ...
+    assert transport.get_write_buffer_size() < 1_000_000  # ... with its buffer bounded
     writer.close()

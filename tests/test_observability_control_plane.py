@@ -1,8 +1,9 @@
 """The control plane's fleet view, /fleet, /metrics and /ui in process, over real Redis.
 
-Instances are simulated vLLM servers driven in process (httpx ASGITransport),
-plus one that refuses connections and one that answers something that is not
-Prometheus text. The routing store's keys are written by the real RedisStore.
+Instances are simulated vLLM servers driven in process (httpx ASGITransport), plus
+two over real HTTP on 127.0.0.1: a port nobody listens on, and the echo backend
+(tests/support/echo_backend.py), whose JSON is not Prometheus text. The routing
+store's keys are written by the real RedisStore.
 """
 
 from __future__ import annotations
@@ -11,6 +12,7 @@ import asyncio
 import math
 from collections.abc import AsyncIterator
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import pytest
@@ -29,10 +31,12 @@ from prefix_router.core.decision import Outcome
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.key import extract_key
 from prefix_router.core.table import RoutingTable
+from prefix_router.ops.launch import start_module
+from prefix_router.ops.procs import free_port
 from prefix_router.state.routing.redis_store import RedisStore
 from prefix_router.state.store import StateStore
 from prefix_router.state.supervision import write_report
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_URL, ProcessReaper
 from tests.support.redis_ns import fresh_store
 from tests.support.supervision import REPORT
 from vllm_sim import SimInstance, make_config
@@ -41,16 +45,7 @@ from vllm_sim import create_app as create_sim_app
 TOKEN = "s3cret"
 AUTH = {"Authorization": f"Bearer {TOKEN}"}
 A, B = Instance("127.0.0.1", 9101), Instance("127.0.0.1", 9102, weight=2)
-DOWN, NOT_VLLM = Instance("127.0.0.1", 9103), Instance("127.0.0.1", 9104)
 PROMPT = "You are a careful assistant. " * 40
-
-
-def _refuse(request: httpx.Request) -> httpx.Response:
-    raise httpx.ConnectError("connection refused", request=request)
-
-
-def _json(request: httpx.Request) -> httpx.Response:
-    return httpx.Response(200, json={"backend": "echo", "bytes": 0})
 
 
 @dataclass
@@ -60,23 +55,39 @@ class Fleetside:
     sims: dict[str, SimInstance]
     client: httpx.AsyncClient
     """Talks to the instances (the same mounts the view scrapes through)."""
+    down: Instance
+    """Nothing listens on its port: connections are refused."""
+    not_vllm: Instance
+    """The echo backend: answers /metrics with JSON."""
+
+    def ids(self) -> list[str]:
+        """The fleet's instance ids, in the fleet's order."""
+        return [i.id for i in Fleet.of([A, B, self.down, self.not_vllm]).instances]
 
 
 @pytest.fixture
-async def fleetside() -> AsyncIterator[Fleetside]:
+async def fleetside(procs: ProcessReaper, log_dir: Path) -> AsyncIterator[Fleetside]:
     sims = {i.id: SimInstance(make_config(time_scale=1e6), name=i.id) for i in (A, B)}
     mounts: dict[str, httpx.AsyncBaseTransport] = {
         f"http://{i}": httpx.ASGITransport(app=create_sim_app(s)) for i, s in sims.items()
     }
-    mounts[f"http://{DOWN.id}"] = httpx.MockTransport(_refuse)
-    mounts[f"http://{NOT_VLLM.id}"] = httpx.MockTransport(_json)
+    down, not_vllm = Instance("127.0.0.1", free_port()), Instance("127.0.0.1", free_port())
+    procs.add(
+        start_module(
+            "echo",
+            "tests.support.echo_backend",
+            [str(not_vllm.port)],
+            log_dir,
+            ready_ports=[not_vllm.port],
+        )
+    )
     async with fresh_store() as store, httpx.AsyncClient(mounts=mounts) as client:
         config = RouterConfig.model_validate({"concurrency_threshold": 1})
-        await store.seed(Fleet.of([A, B, DOWN, NOT_VLLM]), config)
+        await store.seed(Fleet.of([A, B, down, not_vllm]), config)
         # generous timeouts: a loaded CI machine must not turn a slow read into a failure
         view = FleetView(store, client=client, window_s=60.0, timeout_s=5.0, redis_timeout_s=5.0)
         try:
-            yield Fleetside(store, view, sims, client)
+            yield Fleetside(store, view, sims, client, down, not_vllm)
         finally:
             for sim in sims.values():
                 await sim.stop()
@@ -113,7 +124,7 @@ async def test_fleet_view_reads_every_instance_and_the_load_store(fleetside: Fle
         await routing.close()
     snap = f.view.snapshot()
     rows = {r.id: r for r in snap.instances}
-    assert list(rows) == [A.id, B.id, DOWN.id, NOT_VLLM.id]
+    assert list(rows) == f.ids()
 
     a, b = rows[A.id], rows[B.id]
     assert a.up and b.up and a.error is None
@@ -126,9 +137,9 @@ async def test_fleet_view_reads_every_instance_and_the_load_store(fleetside: Fle
     assert b.hit_rate is None and b.hit_rate_cumulative is None  # B served nothing
     assert (a.running, a.waiting, a.kv_cache_usage) == (0, 0, 0)
 
-    assert not rows[DOWN.id].up and "ConnectError" in (rows[DOWN.id].error or "")
-    assert not rows[NOT_VLLM.id].up and "MetricsFormatError" in (rows[NOT_VLLM.id].error or "")
-    assert rows[DOWN.id].running is None and rows[DOWN.id].hit_rate_cumulative is None
+    assert not rows[f.down.id].up and "ConnectError" in (rows[f.down.id].error or "")
+    assert not rows[f.not_vllm.id].up and "MetricsFormatError" in (rows[f.not_vllm.id].error or "")
+    assert rows[f.down.id].running is None and rows[f.down.id].hit_rate_cumulative is None
 
     state = await f.store.read()
     expected_share = RoutingTable.build(state.fleet.fleet, state.config.config).ring.share()
@@ -209,7 +220,7 @@ async def test_admin_routes_fleet_metrics_and_page(fleetside: Fleetside) -> None
             await admin.get("/fleet", headers={"Authorization": "Bearer no"})
         ).status_code == 401
         fleet = (await admin.get("/fleet", headers=AUTH)).json()
-        assert [i["id"] for i in fleet["instances"]] == [A.id, B.id, DOWN.id, NOT_VLLM.id]
+        assert [i["id"] for i in fleet["instances"]] == f.ids()
         assert fleet["concurrency_threshold"] == 1 and fleet["published_snapshot"] == "1.1"
         assert fleet["xds_clients"][0]["node_id"] == "envoy-7"
 
@@ -249,12 +260,15 @@ async def test_admin_routes_fleet_metrics_and_page(fleetside: Fleetside) -> None
     assert value("instances", state="draining", health="healthy") == 0
     assert value("redis_up") == 1 and value("state_up") == 1
     assert value("instance_scrape_up", instance_id=A.id) == 1
-    assert value("instance_scrape_up", instance_id=DOWN.id) == 0
+    assert value("instance_scrape_up", instance_id=f.down.id) == 0
     assert value("prefix_cache_queries_total", instance_id=A.id) > 0
     assert value("requests_running", instance_id=A.id) == 0
-    assert (PREFIX + "requests_running", (("instance_id", DOWN.id),)) not in got  # unknown: absent
+    assert (
+        PREFIX + "requests_running",
+        (("instance_id", f.down.id),),
+    ) not in got  # unknown: absent
     assert value("time_to_first_token_seconds", instance_id=A.id, quantile="0.5") > 0
-    assert sum(value("ring_share_ratio", instance_id=i.id) for i in (A, B, DOWN, NOT_VLLM)) == (
+    assert sum(value("ring_share_ratio", instance_id=i.id) for i in (A, B, f.down, f.not_vllm)) == (
         pytest.approx(1.0)
     )
     assert value("decisions_total", outcome="home") == 0

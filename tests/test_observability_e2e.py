@@ -7,7 +7,6 @@ from __future__ import annotations
 import json
 import re
 import threading
-import time
 from pathlib import Path
 from typing import Any
 
@@ -18,7 +17,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from prefix_router.core.config import RouterConfig
 from tests.conftest import ProcessReaper
 from tests.support.running_stack import RunningStack, running_stack
-from tests.support.xds_stack import wait_until
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -43,15 +42,20 @@ def logged(path: Path, **fields: Any) -> dict[str, Any] | None:
     )
 
 
+def in_flight(admin: httpx.Client) -> int:
+    """Fleet-wide requests in flight, as the control plane reads them from Redis."""
+    return sum(i["in_flight"] or 0 for i in admin.get("/status").json()["instances"])
+
+
 def test_one_request_id_through_envoy_ext_proc_and_the_backend(
     procs: ProcessReaper, tmp_path: Path
 ) -> None:
     config = RouterConfig.model_validate({"concurrency_threshold": 1})
     with running_stack(procs, tmp_path, instances=2, sim_time_scale=1.0, config=config) as stack:
         logs = stack.log_dir
-        # the same long prompt twice, 0.3 s apart: the first is still in its prefill (6,500
-        # tokens, 0.8 s at the default rate) so its holder is at the threshold: the second
-        # spills
+        # the same long prompt twice, the second sent once the first is counted in flight:
+        # the first is then still in its prefill (6,500 tokens, 0.8 s at the default rate),
+        # so its holder is at the threshold: the second spills
         responses: list[httpx.Response] = []
 
         def send() -> None:
@@ -59,9 +63,12 @@ def test_one_request_id_through_envoy_ext_proc_and_the_backend(
                 responses.append(stack.chat(client, "Same prompt. " * 2000, max_tokens=60))
 
         threads = [threading.Thread(target=send) for _ in range(2)]
-        for t in threads:
-            t.start()
-            time.sleep(0.3)
+        with stack.admin() as admin:
+            for started, t in enumerate(threads, 1):
+                t.start()
+                # the next one is routed only once this one is counted (or done)
+                wait_until(lambda n=started: in_flight(admin) + len(responses) >= n, 30,
+                           "the request is counted in flight")  # fmt: skip
         for t in threads:
             t.join()
         assert [r.status_code for r in responses] == [200, 200]
@@ -79,7 +86,7 @@ def test_one_request_id_through_envoy_ext_proc_and_the_backend(
         envoy_log = logs / "envoy.log"
         for response in responses:
             rid = response.headers["x-request-id"]
-            wait_until(lambda rid=rid: logged(envoy_log, request_id=rid), 15, f"Envoy logs {rid}")
+            wait_until(lambda rid=rid: logged(envoy_log, request_id=rid), 30, f"Envoy logs {rid}")
             entry = logged(envoy_log, request_id=rid)
             assert entry is not None
             assert entry["status"] == 200 and entry["path"] == "/v1/chat/completions"
@@ -94,7 +101,7 @@ def test_one_request_id_through_envoy_ext_proc_and_the_backend(
         with httpx.Client(timeout=30) as client:
             mine = stack.chat(client, "hi", headers={"x-request-id": "client-chosen-id-1"})
         assert mine.status_code == 200 and mine.headers["x-request-id"] == "client-chosen-id-1"
-        wait_until(lambda: logged(envoy_log, request_id="client-chosen-id-1"), 15, "Envoy logs it")
+        wait_until(lambda: logged(envoy_log, request_id="client-chosen-id-1"), 30, "Envoy logs it")
 
 
 def documented_envoy_stats() -> list[tuple[str, str, dict[str, str]]]:

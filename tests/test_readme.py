@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import re
 from pathlib import Path
 
 from pydantic import BaseModel
@@ -25,12 +26,32 @@ def field_names(model: type[BaseModel]) -> list[tuple[str, str]]:
     return out
 
 
-def test_every_routing_setting_is_documented() -> None:
-    for section, name in field_names(RouterConfig):
-        assert f"`{section}.{name}`" in README or f".{name}`" in README or f"`{name}`" in README, (
-            section,
-            name,
-        )
+def settings_table() -> list[tuple[str, str]]:
+    """(section, field) named in the first cell of each row of the README's routing settings
+    table: ``a``, ``s.a``, and ``.b`` after ``s.a`` (another field of section ``s``); the
+    flag and env var in parentheses are checked by the next test."""
+    lines = README.split("| setting | default | meaning |", 1)[1].splitlines()[2:]
+    named = []
+    for line in lines:
+        if not line.startswith("|"):
+            break
+        section = ""
+        for name in re.findall(r"`(\.?[a-z_0-9]+(?:\.[a-z_0-9]+)?)`", line.split("|")[1]):
+            if name.startswith("."):
+                assert section, line
+                named.append((section, name[1:]))
+            elif "." in name:
+                section, field = name.split(".")
+                named.append((section, field))
+            else:
+                named.append(("", name))
+    return named
+
+
+def test_the_settings_table_documents_every_routing_setting_and_no_other() -> None:
+    documented = settings_table()
+    assert len(documented) == len(set(documented)), "a setting has two rows"
+    assert sorted(documented) == sorted(field_names(RouterConfig))
 
 
 def test_every_up_setting_is_documented_with_its_flag_and_env_var() -> None:
@@ -43,3 +64,15 @@ def test_ci_runs_the_readme_test_command() -> None:
     assert "make test" in README and "make run" in README
     ci = (ROOT / ".ci" / "run").read_text().strip().splitlines()
     assert ci[-1] == "make test"
+
+
+def test_every_test_docs_testing_md_names_exists() -> None:
+    """docs/testing.md maps each documented guarantee to a test: each named test exists."""
+    text = (ROOT / "docs" / "testing.md").read_text()
+    named = re.findall(r"`(test_\w+\.py)(?:::(test_\w+))?`", text)
+    assert len(named) > 20
+    for file, test in named:
+        path = ROOT / "tests" / file
+        assert path.exists(), file
+        if test:
+            assert re.search(rf"^(async )?def {test}\(", path.read_text(), re.M), (file, test)

@@ -19,7 +19,8 @@ from prefix_router.core.ring import Ring, ring_size_for
 from tests.conftest import ProcessReaper
 from tests.support.figures import report
 from tests.support.load import Load
-from tests.support.xds_stack import XdsStack, start_xds_stack, wait_until
+from tests.support.wait import wait_until
+from tests.support.xds_stack import XdsStack, start_xds_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -61,15 +62,6 @@ def ring_share(members: list[str], owners: list[str]) -> float:
     return sum(share[o] for o in owners)
 
 
-def followed_by_ext_proc(stack: XdsStack, size: int) -> bool:
-    """Every ext_proc replica's latest routing table has ``size`` routable instances."""
-    for proc in stack.ext_procs:
-        tables = [line for line in proc.tail(200).splitlines() if "routing table:" in line]
-        if not tables or f"({size} routable)" not in tables[-1]:
-            return False
-    return True
-
-
 def moved(before: dict[str, str], after: dict[str, str]) -> dict[str, tuple[str, str]]:
     return {p: (before[p], after[p]) for p in before if before[p] != after[p]}
 
@@ -83,29 +75,40 @@ def test_control_plane_killed_and_restarted_changes_nothing(
     with Load(stack.url) as load:
         assert stack.control_plane is not None
         stack.control_plane.kill()
-        time.sleep(2.0)  # Envoy and ext_proc keep serving with the last config
+        killed = time.monotonic()
+        # Envoy and ext_proc keep serving with the last config while it is away.
+        wait_until(lambda: not stack.control_plane_connected(), 30, "Envoy saw it go")
+        wait_until(lambda: served_since(load, killed) >= 100, 60, "100 requests without it")
         restarted = time.monotonic()
         stack.start_control_plane(procs)
         serving = time.monotonic() - restarted
         with stack.admin() as admin:
             wait_until(
                 lambda: any(c.get("acked") for c in admin.get("/status").json()["xds_clients"]),
-                10,
+                30,
                 "Envoy reconnected and ACKed",
             )
-        reconnected = time.monotonic() - restarted
-        time.sleep(0.5)
+        reconnected = time.monotonic()
+        wait_until(lambda: served_since(load, reconnected) >= 20, 30, "20 requests after")
     report(
-        "control plane killed 2 s",
+        "control plane killed",
         sent=len(load.outcomes),
         failed=len(load.failures()),
         control_plane_serving_s=round(serving, 2),
-        envoy_acked_s=round(reconnected, 2),
+        envoy_acked_s=round(reconnected - restarted, 2),
     )
     assert load.failures() == []
-    assert len(load.outcomes) > 50
     assert moved(before, placement(stack)) == {}
-    assert reconnected < 10
+
+
+def healthy_in_fleet(stack: XdsStack, port: int) -> bool:
+    with stack.admin() as admin:
+        fleet = admin.get("/instances").json()
+    return any(i["port"] == port and i["healthy"] for i in fleet["instances"])
+
+
+def served_since(load: Load, moment: float) -> int:
+    return sum(1 for o in load.outcomes if o.started >= moment and o.status == 200)
 
 
 def test_a_killed_instance_is_taken_out_and_only_its_keys_move(
@@ -120,24 +123,26 @@ def test_a_killed_instance_is_taken_out_and_only_its_keys_move(
     before = placement(stack)
     victim = stack.backend_ports[1]
     with Load(stack.url) as load:
-        time.sleep(0.3)
+        wait_until(lambda: len(load.outcomes) >= 20, 30, "the load runs")
         killed = time.monotonic()
         stack.backend_procs[victim].kill()
         taken_out = wait_until(
             lambda: not routable_in_envoy(stack, f"127.0.0.1:{victim}"),
-            10,
+            30,
             "Envoy took the dead instance out",
             interval=0.05,
         )
-        time.sleep(max(0.0, killed + 4.0 - time.monotonic()))
+        out_at = time.monotonic()
+        wait_until(lambda: served_since(load, out_at) >= 50, 30, "50 requests after")
+        # The control plane's prober marks it unhealthy too; ext_proc's mirror follows.
+        wait_until(lambda: not healthy_in_fleet(stack, victim), 30, "the fleet marks it down")
+        wait_until(stack.converged, 30, "Envoy and ext_proc run the fleet without it")
     report(
         "instance killed",
         sent=len(load.outcomes),
         failed=len(load.failures()),
         taken_out_s=round(taken_out, 2),
     )
-    # Health check: 1 s interval x 2 failures (+ timeout): out within ~3 s.
-    assert taken_out < 3.5, taken_out
     # New requests never fail: connect failures are retried along the ring. Only a request
     # already on the wire to the instance when it died may fail (it is not safe to retry).
     late = [o for o in load.failures() if o.started > killed + 0.05]
@@ -166,13 +171,13 @@ def test_resize_under_load_fails_nothing_and_moves_only_the_prefixes_of_who_left
         p4 = placement(stack)
         for port in spare:
             assert admin.post("/instances", json={"address": "127.0.0.1", "port": port}).is_success
-        wait_until(lambda: len(stack.envoy_hosts()) == 6, 5, "Envoy has 6 hosts")
-        wait_until(lambda: followed_by_ext_proc(stack, 6), 10, "ext_proc routes over 6")
+        wait_until(lambda: len(stack.envoy_hosts()) == 6, 30, "Envoy has 6 hosts")
+        wait_until(stack.converged, 30, "Envoy and ext_proc run the fleet of 6")
         p6 = placement(stack)
         for port in original[:2]:
             assert admin.delete(f"/instances/127.0.0.1:{port}").status_code == 202
-        wait_until(lambda: len(stack.envoy_hosts()) == 4, 15, "the drained instances are gone")
-        wait_until(lambda: followed_by_ext_proc(stack, 4), 10, "ext_proc routes over 4")
+        wait_until(lambda: len(stack.envoy_hosts()) == 4, 30, "the drained instances are gone")
+        wait_until(stack.converged, 30, "Envoy and ext_proc run the fleet of 4")
         p4b = placement(stack)
     grown, shrunk = moved(p4, p6), moved(p6, p4b)
     left = {str(p) for p in original[:2]}

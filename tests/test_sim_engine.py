@@ -204,10 +204,16 @@ async def test_output_length_and_text_are_deterministic() -> None:
 
 async def test_requests_longer_than_the_context_are_refused() -> None:
     engine = Engine(make_config(num_gpu_blocks=10, block_size=16, time_scale=FAST))
-    with pytest.raises(BadRequestError):
-        engine.submit(GenerationParams(prompt=prompt_of(150), max_tokens=11))
-    engine.submit(GenerationParams(prompt=prompt_of(150), max_tokens=10))
-    await engine.stop()
+    engine.start()
+    try:
+        with pytest.raises(BadRequestError):  # 150 + 11 tokens: one past the 160-token pool
+            engine.submit(GenerationParams(prompt=prompt_of(150), max_tokens=11))
+        # Exactly the pool: accepted and generated to the end in the blocks there are.
+        fits = await run(engine, GenerationParams(prompt=prompt_of(150), max_tokens=10,
+                                                  ignore_eos=True))
+        assert fits.num_output == 10 and fits.finish_reason == "length"
+    finally:
+        await engine.stop()
 
 
 async def test_pause_freezes_progress_and_stop_aborts() -> None:

@@ -72,16 +72,16 @@ def test_status_page_shows_the_fleet_and_follows_changes(
         driver.get(f"{stack.admin_url}/ui")
 
         # no data without the token; a wrong one is refused
-        wait_for(lambda: visible(driver, "login"), 10, "the page asks for the token")
+        wait_for(lambda: visible(driver, "login"), 30, "the page asks for the token")
         assert not visible(driver, "main") and rows(driver) == {}
         driver.find_element(By.ID, "token").send_keys("not-the-token")
         driver.find_element(By.ID, "login-submit").click()
-        wait_for(lambda: "refused" in text(driver, "login-reason"), 10, "a wrong token is refused")
+        wait_for(lambda: "refused" in text(driver, "login-reason"), 30, "a wrong token is refused")
         driver.find_element(By.ID, "token").send_keys(stack.stack.token)
         driver.find_element(By.ID, "login-submit").click()
 
         # every instance, with its share of the key space and its load against the threshold
-        wait_for(lambda: sorted(rows(driver)) == sorted(ids), 10, "every instance is listed")
+        wait_for(lambda: sorted(rows(driver)) == sorted(ids), 30, "every instance is listed")
         assert text(driver, "threshold") == "16" and text(driver, "config-version") == "1"
         shown = rows(driver)
         assert sum(percent(shown[i][SHARE]) for i in ids) == pytest.approx(100, abs=0.2)
@@ -101,7 +101,7 @@ def test_status_page_shows_the_fleet_and_follows_changes(
 
         # the token survives a reload (sessionStorage): no second prompt
         driver.refresh()
-        wait_for(lambda: sorted(rows(driver)) == sorted(ids), 10, "the page comes back")
+        wait_for(lambda: sorted(rows(driver)) == sorted(ids), 30, "the page comes back")
         assert not visible(driver, "login")
 
         with stack.admin() as admin:
@@ -113,7 +113,7 @@ def test_status_page_shows_the_fleet_and_follows_changes(
                     and text(driver, "config-version") == "2"
                     and all(rows(driver)[i][LOAD] == "0 / 4" for i in ids)
                 ),
-                10,
+                30,
                 "the page shows the new threshold",
             )
             assert '"concurrency_threshold": 5' in text(driver, "config")
@@ -128,7 +128,7 @@ def test_status_page_shows_the_fleet_and_follows_changes(
                 sorted(rows(driver)) == sorted([*ids, spare])
                 and percent(rows(driver)[spare][SHARE]) > 5
             ),
-            10,
+            30,
             "the new instance is listed with its share of the ring",
         )
         after = rows(driver)
@@ -136,7 +136,7 @@ def test_status_page_shows_the_fleet_and_follows_changes(
         assert sum(percent(after[i][SHARE]) for i in after) == pytest.approx(100, abs=0.2)
         # it took its share from the others
         assert all(percent(after[i][SHARE]) < percent(before[i][SHARE]) for i in ids)
-        wait_for(lambda: rows(driver)[spare][SCRAPE] == "ok", 10, "the new instance is scraped")
+        wait_for(lambda: rows(driver)[spare][SCRAPE] == "ok", 30, "the new instance is scraped")
 
         # under prefix-router up, its supervisor's report adds the process table
         assert not visible(driver, "processes")  # this stack runs without up's supervisor
@@ -145,7 +145,7 @@ def test_status_page_shows_the_fleet_and_follows_changes(
             write_report(client, stack.settings.namespace, REPORT)
         finally:
             client.close()
-        wait_for(lambda: visible(driver, "processes"), 10, "the process table is shown")
+        wait_for(lambda: visible(driver, "processes"), 30, "the process table is shown")
         processes = {r[0]: r for r in driver.execute_script(TABLE.replace("ID", "components"))}
         assert processes["envoy"][1:4] == ["12", "starting", "2"]
         assert processes["envoy"][4].startswith("killed by SIGSEGV (core dumped) at ")

@@ -6,10 +6,14 @@ changes of two kinds and polls Envoy's admin ``/clusters?format=json`` every
 millisecond or so until it shows each one:
 
 * ``weight``: PATCH /instances/{id} weight 1 <-> 2 (EDS, and CDS: the ring size);
-* ``cluster``: PATCH /config circuit_breakers.max_requests (CDS only).
+* ``cluster``: PATCH /config circuit_breakers.max_requests (CDS only);
+* ``ext_proc``: PATCH /config prefix_length, until both of two ext_proc replicas
+  (following the state in Redis) have logged the routing table of the new config
+  version (the README's "every ext_proc replica follows within 1 s").
 
 The clock starts just before the HTTP call and stops when Envoy's live state
-shows the new value. Prints p50 and max per kind (and JSON with ``--json``).
+(or each replica's log) shows the new value. Prints p50 and max per kind (and
+JSON with ``--json``).
 
     .venv/bin/python bench/scripts/xds_latency.py [--changes 20] [--redis-url URL]
 """
@@ -19,6 +23,7 @@ from __future__ import annotations
 import argparse
 import asyncio
 import json
+import re
 import statistics
 import sys
 import tempfile
@@ -34,7 +39,7 @@ import yaml
 
 from prefix_router.core.config import RouterConfig
 from prefix_router.envoy.bootstrap import BootstrapParams
-from prefix_router.ops.launch import start_envoy, start_module
+from prefix_router.ops.launch import start_envoy, start_ext_proc, start_module
 from prefix_router.ops.procs import ManagedProcess, free_port
 from prefix_router.state.store import StateStore
 
@@ -74,6 +79,26 @@ def timed(call: Callable[[], httpx.Response], applied: Callable[[], bool]) -> fl
     return time.perf_counter() - started
 
 
+TABLE_LINE = re.compile(r"routing table: fleet v\d+ \(\d+ routable\), config v(\d+)")
+
+
+def config_versions(log: Path) -> set[int]:
+    """Config versions whose routing table an ext_proc replica has swapped in (its log)."""
+    return {int(v) for v in TABLE_LINE.findall(log.read_text(errors="replace"))}
+
+
+def timed_follow(api: httpx.Client, logs: list[Path], prefix_length: int) -> float:
+    started = time.perf_counter()
+    r = api.patch("/config", json={"prefix_length": prefix_length})
+    r.raise_for_status()
+    version = int(r.json()["version"])
+    while not all(version in config_versions(log) for log in logs):
+        if time.perf_counter() - started > 10:
+            raise TimeoutError("an ext_proc replica did not follow the change in 10 s")
+        time.sleep(0.001)
+    return time.perf_counter() - started
+
+
 def summary(samples: list[float]) -> dict[str, float]:
     ms = sorted(s * 1000 for s in samples)
     return {"n": len(ms), "p50_ms": statistics.median(ms), "max_ms": ms[-1], "min_ms": ms[0]}
@@ -108,12 +133,22 @@ def run(changes: int, redis_url: str, log_dir: Path) -> dict[str, dict[str, floa
             listen_port=listen, admin_port=envoy_admin, ext_proc=(), xds=("127.0.0.1", xds_port)
         )
         started.append(start_envoy(params, RouterConfig(), log_dir))
+        replicas = [
+            start_ext_proc(
+                free_port(),
+                log_dir,
+                args=["--redis-url", redis_url, "--namespace", namespace],
+                name=f"ext_proc-{n}",
+            )
+            for n in range(2)
+        ]
+        started += replicas
         deadline = time.monotonic() + 10
         while weight_of(envoy_admin, ports[0]) is None:
             if time.monotonic() > deadline:
                 raise TimeoutError("Envoy never got the fleet")
             time.sleep(0.01)
-        results: dict[str, list[float]] = {"weight": [], "cluster": []}
+        results: dict[str, list[float]] = {"weight": [], "cluster": [], "ext_proc": []}
         with httpx.Client(
             base_url=f"http://127.0.0.1:{admin_port}",
             headers={"Authorization": f"Bearer {TOKEN}"},
@@ -137,6 +172,8 @@ def run(changes: int, redis_url: str, log_dir: Path) -> dict[str, dict[str, floa
                         lambda n=limit: max_requests(envoy_admin) == n,  # type: ignore[misc]
                     )
                 )
+                logs = [r.log_path for r in replicas]
+                results["ext_proc"].append(timed_follow(api, logs, 1000 + i % 2))
                 time.sleep(0.05)
         return {kind: summary(s) for kind, s in results.items()}
     finally:

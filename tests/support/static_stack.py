@@ -3,6 +3,8 @@
 from __future__ import annotations
 
 import json
+import urllib.parse
+import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field, replace
 from pathlib import Path
@@ -100,3 +102,12 @@ def start_ext_proc_for(stack: StaticStack, port: int, log_dir: Path) -> ManagedP
     for inst in stack.fleet.instances:
         args += ["--backend", f"{inst.address}:{inst.port}:{inst.weight}:{inst.hash_key or ''}"]
     return start_ext_proc(port, log_dir, args=args)
+
+
+def envoy_stats(stack: StaticStack, pattern: str) -> dict[str, int]:
+    """Envoy's counters and gauges whose name matches the regex ``pattern``."""
+    query = urllib.parse.urlencode({"format": "json", "filter": pattern})
+    with urllib.request.urlopen(
+        f"http://127.0.0.1:{stack.admin_port}/stats?{query}", timeout=5
+    ) as r:
+        return {s["name"]: int(s["value"]) for s in json.load(r)["stats"] if "value" in s}

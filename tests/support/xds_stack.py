@@ -4,7 +4,7 @@ Envoy learning its cluster over ADS. Every process goes through the ``procs`` re
 from __future__ import annotations
 
 import json
-import time
+import re
 import urllib.request
 from collections.abc import Sequence
 from dataclasses import dataclass, field
@@ -19,6 +19,7 @@ from prefix_router.envoy.bootstrap import BootstrapParams
 from prefix_router.ops.launch import start_envoy, start_ext_proc, start_module
 from prefix_router.ops.procs import ManagedProcess, free_port
 from tests.conftest import REDIS_URL, ProcessReaper
+from tests.support.wait import wait_until
 
 TOKEN = "test-admin-token"
 
@@ -68,6 +69,26 @@ class XdsStack:
                 return dict(cfg)
         return None
 
+    def control_plane_connected(self) -> bool:
+        """Envoy's own view of its xDS stream (stat ``control_plane.connected_state``)."""
+        stats = self.envoy_json("/stats?format=json&filter=^control_plane.connected_state$")
+        return bool(stats["stats"][0]["value"])
+
+    def converged(self) -> bool:
+        """Every connected Envoy ACKed the published snapshot (CDS and EDS) and every
+        ext_proc replica logged the routing table of the current fleet and config: from
+        here on, a new request is routed on the state the admin API shows."""
+        with self.admin() as admin:
+            status = admin.get("/status").json()
+        published = status["published_snapshot"]
+        clients = [c for c in status["xds_clients"] if c["connected"]]
+        if published is None or not clients:
+            return False
+        if any(c["acked"].get(t) != published for c in clients for t in ("cds", "eds")):
+            return False
+        want = (status["fleet_version"], status["config_version"])
+        return all(tables_applied(p)[-1:] == [want] for p in self.ext_procs)
+
     def start_control_plane(self, procs: ProcessReaper) -> ManagedProcess:
         self.control_plane = procs.add(
             start_module(
@@ -80,6 +101,19 @@ class XdsStack:
             )
         )
         return self.control_plane
+
+
+TABLE_LINE = re.compile(r"routing table: fleet v(\d+) \(\d+ routable\), config v(\d+)")
+
+
+def tables_applied(ext_proc: ManagedProcess) -> list[tuple[int, int]]:
+    """(fleet version, config version) of every routing table ``ext_proc`` swapped in, in
+    order, from its log (ext_proc/state_follower.py logs each one)."""
+    try:
+        text = ext_proc.log_path.read_text(errors="replace")
+    except FileNotFoundError:
+        return []
+    return [(int(f), int(c)) for f, c in TABLE_LINE.findall(text)]
 
 
 def start_backends(procs: ProcessReaper, log_dir: Path, ports: Sequence[int], name: str) -> None:
@@ -101,14 +135,22 @@ def start_xds_stack(
     envoy_nodes: int = 1,
     extra_cp_args: Sequence[str] = (),
     backend_processes: bool = False,
+    ext_procs: int = 1,
+    sim_args: Sequence[str] | None = None,
 ) -> tuple[XdsStack, list[ManagedProcess]]:
     """Start the stack with ``backends`` in the fleet and ``spare_backends`` running outside it.
 
+    Backends are echo servers, or simulated vLLM instances (one process) when ``sim_args``
+    is given. Every Envoy spreads its ext_proc streams over ``ext_procs`` replicas.
     Returns the stack and every Envoy (``envoy_nodes`` of them, node ids ``envoy-0``...).
     """
     stack = XdsStack(namespace=namespace, log_dir=log_dir)
     stack.backend_ports = [free_port() for _ in range(backends + spare_backends)]
-    if backend_processes:  # one process each, so a test can kill one
+    if sim_args is not None:
+        ports = stack.backend_ports
+        args = ["--ports", ",".join(map(str, ports)), *sim_args]
+        procs.add(start_module("backends", "vllm_sim", args, log_dir, ready_ports=ports))
+    elif backend_processes:  # one process each, so a test can kill one
         for port in stack.backend_ports:
             stack.backend_procs[port] = procs.add(
                 start_module(
@@ -144,23 +186,22 @@ def start_xds_stack(
         *extra_cp_args,
     ]
     stack.start_control_plane(procs)
-    ext_proc_port = free_port()
-    stack.ext_procs.append(
-        procs.add(
-            start_ext_proc(
-                ext_proc_port,
-                log_dir,
-                args=["--redis-url", REDIS_URL, "--namespace", namespace],
+    ext_proc_ports = [free_port() for _ in range(ext_procs)]
+    for port in ext_proc_ports:
+        stack.ext_procs.append(
+            procs.add(
+                start_ext_proc(
+                    port, log_dir, args=["--redis-url", REDIS_URL, "--namespace", namespace]
+                )
             )
         )
-    )
     envoys = []
     for n in range(envoy_nodes):
         listen, admin = free_port(), free_port()
         params = BootstrapParams(
             listen_port=listen,
             admin_port=admin,
-            ext_proc=(("127.0.0.1", ext_proc_port),),
+            ext_proc=tuple(("127.0.0.1", p) for p in ext_proc_ports),
             xds=("127.0.0.1", stack.xds_port),
             node_id=f"envoy-{n}",
         )
@@ -170,19 +211,5 @@ def start_xds_stack(
             stack.envoy = envoy
             stack.url = f"http://127.0.0.1:{listen}"
             stack.envoy_admin_port = admin
-    wait_until(lambda: len(stack.envoy_hosts()) == backends, 10, "Envoy got its hosts over xDS")
+    wait_until(lambda: len(stack.envoy_hosts()) == backends, 30, "Envoy got its hosts over xDS")
     return stack, envoys
-
-
-def wait_until(check: Any, timeout: float, what: str, interval: float = 0.02) -> float:
-    """Poll ``check()`` until truthy; returns the seconds it took, fails after ``timeout``."""
-    started = time.monotonic()
-    while True:
-        try:
-            if check():
-                return time.monotonic() - started
-        except (OSError, KeyError, ValueError):
-            pass
-        if time.monotonic() - started > timeout:
-            raise AssertionError(f"timed out after {timeout}s waiting until {what}")
-        time.sleep(interval)
