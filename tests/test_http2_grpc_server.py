@@ -24,7 +24,7 @@ import hpack
 import pytest
 from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame
 
-from ext_proc.http2.frames import PREFACE, ErrorCode, encode_frame
+from ext_proc.http2.engine import ErrorCode
 from ext_proc.http2.grpc_server import (
     Answer,
     GrpcError,
@@ -32,6 +32,9 @@ from ext_proc.http2.grpc_server import (
     StatusCode,
     frame_message,
 )
+from ext_proc.http2.limits import PeerLimits
+from tests.support.h2_frames import PREFACE, parse
+from tests.support.h2_frames import frame as encode_frame
 
 ECHO = "/test.Echo/Stream"
 SLOW_FIRST = "/test.Echo/SlowFirst"
@@ -170,18 +173,51 @@ async def test_a_cancelled_call_is_ended_as_cancelled(served: tuple) -> None:
         await eventually(lambda: server.open_calls == 0)
 
 
-async def test_three_thousand_concurrent_calls(served: tuple) -> None:
-    server, ends = served
-    async with channel(server) as ch:
-        held = [raw_stream(ch, HOLD)() for _ in range(3000)]
-        for c in held:
-            await c.write(b"x")
-        await eventually(lambda: server.open_calls == 3000, timeout=20)
-        for c in held:
-            await c.done_writing()
-        for c in held:
-            assert await c.code() is grpc.StatusCode.OK
-    assert ends.seen.count(False) == 3000
+async def test_three_thousand_concurrent_calls_within_the_stream_limit() -> None:
+    ends = Ends()
+    server = GrpcServer({HOLD: lambda: Hold(ends)}, PeerLimits(max_concurrent_streams=3000))
+    await server.start("127.0.0.1", 0)
+    try:
+        async with channel(server) as ch:
+            held = [raw_stream(ch, HOLD)() for _ in range(3000)]
+            for c in held:
+                await c.write(b"x")
+            await eventually(lambda: server.open_calls == 3000, timeout=20)
+            for c in held:
+                await c.done_writing()
+            for c in held:
+                assert await c.code() is grpc.StatusCode.OK
+        assert ends.seen.count(False) == 3000
+    finally:
+        await server.stop(grace=1.0)
+
+
+async def test_calls_past_the_stream_limit_wait_for_a_free_stream() -> None:
+    """MAX_CONCURRENT_STREAMS is advertised: a client holds calls past it until one ends."""
+    ends = Ends()
+    server = GrpcServer({HOLD: lambda: Hold(ends)}, PeerLimits(max_concurrent_streams=50))
+    await server.start("127.0.0.1", 0)
+    try:
+        release = asyncio.Event()
+
+        async def one(ch: grpc.aio.Channel) -> grpc.StatusCode:
+            held = raw_stream(ch, HOLD)()
+            await held.write(b"x")  # a call past the limit waits here for a stream
+            await release.wait()
+            await held.done_writing()
+            return await held.code()
+
+        async with channel(server) as ch:
+            calls = [asyncio.ensure_future(one(ch)) for _ in range(120)]
+            await eventually(lambda: server.open_calls == 50, timeout=20)
+            await asyncio.sleep(0.2)  # nothing more gets in while all 50 are held
+            assert server.open_calls == 50
+            release.set()
+            assert await asyncio.gather(*calls) == [grpc.StatusCode.OK] * 120
+        assert ends.seen.count(False) == 120
+        assert "max_concurrent_streams" not in server.reporter.totals  # it obeyed
+    finally:
+        await server.stop(grace=1.0)
 
 
 @contextlib.asynccontextmanager
@@ -229,8 +265,9 @@ async def test_a_stop_cuts_calls_that_outlive_the_grace() -> None:
 class H2Client:
     """A plain HTTP/2 client on the h2 library, over asyncio streams."""
 
-    def __init__(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter,
-                 window: int = 65_535) -> None:
+    def __init__(
+        self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter, window: int = 65_535
+    ) -> None:
         self.reader, self.writer = reader, writer
         self.conn = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
         self.conn.local_settings = h2.settings.Settings(
@@ -250,8 +287,14 @@ class H2Client:
     def request(self, path: str, stream_id: int) -> None:
         self.conn.send_headers(
             stream_id,
-            [(":method", "POST"), (":scheme", "http"), (":path", path),
-             (":authority", "test"), ("content-type", "application/grpc"), ("te", "trailers")],
+            [
+                (":method", "POST"),
+                (":scheme", "http"),
+                (":path", path),
+                (":authority", "test"),
+                ("content-type", "application/grpc"),
+                ("te", "trailers"),
+            ],
         )
         self.flush()
 
@@ -265,8 +308,9 @@ class H2Client:
             for event in self.conn.receive_data(data):
                 seen.append(event)
                 if isinstance(event, h2.events.DataReceived) and ack_data:
-                    self.conn.acknowledge_received_data(event.flow_controlled_length,
-                                                        event.stream_id)
+                    self.conn.acknowledge_received_data(
+                        event.flow_controlled_length, event.stream_id
+                    )
             self.flush()
             if any(isinstance(e, until) for e in seen):
                 return seen
@@ -310,21 +354,33 @@ async def test_padded_data_and_a_header_block_in_continuation_frames(served: tup
     server, _ = served
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     block = hpack.Encoder().encode(
-        [(":method", "POST"), (":scheme", "http"), (":path", ECHO), (":authority", "t"),
-         ("content-type", "application/grpc"), ("x-filler", "f" * 3000)]
+        [
+            (":method", "POST"),
+            (":scheme", "http"),
+            (":path", ECHO),
+            (":authority", "t"),
+            ("content-type", "application/grpc"),
+            ("x-filler", "f" * 3000),
+        ]
     )
     headers = HeadersFrame(1, block[:1000])
     continued = ContinuationFrame(1, block[1000:2000])
     last = ContinuationFrame(1, block[2000:], flags=["END_HEADERS"])
     data = DataFrame(1, frame_message(b"padded"), flags=["PADDED", "END_STREAM"])
     data.pad_length = 40
-    writer.write(PREFACE + encode_frame(4, 0, 0) + b"".join(
-        f.serialize() for f in (headers, continued, last, data)))
+    writer.write(
+        PREFACE
+        + encode_frame(4, 0, 0)
+        + b"".join(f.serialize() for f in (headers, continued, last, data))
+    )
     client = h2.connection.H2Connection(h2.config.H2Configuration(client_side=True))
     client.initiate_connection()  # the state machine only: what it would send is dropped
     client.data_to_send()
-    client.send_headers(1, [(":method", "POST"), (":path", ECHO), (":scheme", "http"),
-                            (":authority", "t")], end_stream=True)
+    client.send_headers(
+        1,
+        [(":method", "POST"), (":path", ECHO), (":scheme", "http"), (":authority", "t")],
+        end_stream=True,
+    )
     client.data_to_send()
     seen: list[h2.events.Event] = []
     while not any(isinstance(e, h2.events.StreamEnded) for e in seen):
@@ -365,31 +421,46 @@ async def test_data_on_a_stream_never_opened_closes_the_connection(served: tuple
     assert code == ErrorCode.PROTOCOL_ERROR
 
 
-async def test_a_stream_id_that_goes_backwards_closes_the_connection(served: tuple) -> None:
-    server, _ = served
-    block = hpack.Encoder().encode([(":method", "POST"), (":path", ECHO)])
-    opens = b"".join(encode_frame(1, 0x4, sid, block) for sid in (5, 3))
-    code = await goaway_for(server, PREFACE + encode_frame(4, 0, 0) + opens)
-    assert code == ErrorCode.PROTOCOL_ERROR
+async def test_a_stream_id_that_goes_backwards_opens_nothing(served: tuple) -> None:
+    """RFC 9113 5.1.1 makes it a connection error; libnghttp2 ignores the frame (a
+    "glitch", counted towards the useless-frame limit): no call is opened either way."""
+    server, ends = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    encoder = hpack.Encoder()
+    request = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", ECHO),
+        (":authority", "t"),
+        ("content-type", "application/grpc"),
+    ]
+    opens = b"".join(encode_frame(1, 0x4 | 0x1, sid, encoder.encode(request)) for sid in (5, 3))
+    writer.write(PREFACE + encode_frame(4, 0, 0) + opens + encode_frame(6, 0, 0, b"12345678"))
+    received = b""
+    while not any(k == 6 and f & 1 for k, f, _, _ in parse(received)):  # until the PING ACK
+        received += await asyncio.wait_for(reader.read(65_536), 5.0)
+    answered = {sid for k, _, sid, _ in parse(received) if k == 1}
+    assert answered == {5}
+    writer.close()
+    await eventually(lambda: ends.seen == [False])
 
 
 async def test_a_header_block_that_does_not_decode_is_a_compression_error(served: tuple) -> None:
     server, _ = served
-    code = await goaway_for(server, PREFACE + encode_frame(1, 0x4, 1, b"\xff\xff\xff\xff"))
+    frames = PREFACE + encode_frame(4, 0, 0) + encode_frame(1, 0x4, 1, b"\xff\xff\xff\xff")
+    code = await goaway_for(server, frames)
     assert code == ErrorCode.COMPRESSION_ERROR
+    assert server.reporter.totals == {"protocol_error": 1}
 
 
-async def test_a_client_that_never_reads_stops_being_read(served: tuple) -> None:
-    """Backpressure: a flood of PINGs whose ACKs nobody reads fills our write buffer only
-    to asyncio's high-water mark; then we stop reading, and the kernel holds the rest."""
+async def test_a_client_that_floods_pings_and_never_reads_is_cut_off(served: tuple) -> None:
+    """More unanswered PINGs than the queued-acknowledgement limit end the connection."""
     server, _ = served
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     writer.write(PREFACE + encode_frame(4, 0, 0))
     pings = encode_frame(6, 0, 0, b"12345678") * 1000
-    for _ in range(400):  # 6.8 MB of PINGs: as many bytes of ACKs
+    for _ in range(400):  # 6.8 MB of PINGs: as many bytes of ACKs, never read
         writer.write(pings)
-    await asyncio.sleep(2.0)
-    (connection,) = server._connections  # private: the server's side of this connection
-    assert connection._transport is not None
-    assert connection._transport.get_write_buffer_size() < 1_000_000
+    await eventually(lambda: server.connections == 0, timeout=10)
+    assert server.reporter.totals.get("max_queued_acks", 0) == 1
     writer.close()
