@@ -11,7 +11,7 @@ every read produced in one write, and holds every peer to
 * unfinished messages are charged to the connection's and the process's budget
   (:meth:`Http2Connection.hold_partial`), and a stream whose message stops
   growing for ``partial_message_timeout`` is reset;
-* resets of streams whose answer is pending (a rapid-reset attack) are rate limited;
+* resets of streams whose call had not ended (a rapid-reset attack) are rate limited;
 * a peer that has not completed the handshake in ``handshake_timeout``, a
   connection idle for ``idle_timeout`` and a peer that reads nothing of what we
   write for ``write_stall_timeout`` are disconnected (:meth:`Http2Connection.tick`,
@@ -51,6 +51,9 @@ log = logging.getLogger("prefix_router.ext_proc.http2")
 
 Headers = tuple[tuple[bytes, bytes], ...]
 
+LINGER = 2.0
+"""Seconds a connection we end is still read (and what it says dropped), see ``_close_with``."""
+
 
 class StreamListener(Protocol):
     """The layer above, for one stream: what arrives on it, in order."""
@@ -61,7 +64,7 @@ class StreamListener(Protocol):
 
     def reset(self) -> bool:
         """The stream ended abnormally (a RST_STREAM, a timeout, the connection was lost);
-        nothing more can be sent on it. True if it had work pending."""
+        nothing more can be sent on it. True if the call had not ended yet."""
 
 
 OpenStream = Callable[["Http2Connection", int, Headers], StreamListener]
@@ -352,17 +355,18 @@ class Http2Connection(asyncio.Protocol):
             if len(self._streams) >= self._limits.max_concurrent_streams and _refused_in(out):
                 self._breach("max_concurrent_streams")
         if self._engine.done and not self._failed:
-            self._failed = True
             goaway = goaway_in(out) if out else None
             if goaway is not None and goaway[0] != ErrorCode.NO_ERROR:
                 self._engine_refused(goaway[0], goaway[1])
-            transport.close()
+            self._close_with(b"")
 
     def _engine_refused(self, code: int, debug: bytes) -> None:
         """The engine ended the connection with a GOAWAY of its own: count why."""
         if code == ErrorCode.ENHANCE_YOUR_CALM:
             limit = "max_settings_entries" if b"SETTINGS" in debug else "glitch_burst"
             self._breach(limit)
+        elif b"max concurrent streams" in debug:  # past it once the peer has our SETTINGS
+            self._breach("max_concurrent_streams")
         else:
             self._breach("protocol_error", f"code {code}")
 
@@ -383,10 +387,20 @@ class Http2Connection(asyncio.Protocol):
         self._close_with(out)
 
     def _close_with(self, out: bytes) -> None:
+        """Write ``out`` (a GOAWAY), then close. Our side is shut at once and theirs read
+        and dropped for :data:`LINGER` seconds: closing a socket with unread input resets
+        the connection, and the reset can destroy the GOAWAY before the peer reads it."""
         self._failed = True
-        if self._transport is not None:
-            self._transport.write(out)
-            self._transport.close()
+        transport = self._transport
+        if transport is None:
+            return
+        if out:
+            transport.write(out)
+        if transport.can_write_eof():
+            transport.write_eof()
+            self._loop.call_later(LINGER, transport.abort)
+        else:
+            transport.close()
 
     def _breach(self, limit: str, detail: str = "") -> None:
         self._ctx.reporter.breach(limit, self.peer, detail)

@@ -61,9 +61,9 @@ VERSION = f"ngh2 {ngh2.__version__}"
 Header = tuple[bytes, bytes]
 
 _UNLIMITED = 2**62
-"""nghttp2 counts every RST_STREAM; ours counts resets of busy streams only
-(:class:`~ext_proc.http2.limits.PeerLimits` ``reset_burst``), so an Envoy that resets
-each finished stream is not cut: nghttp2's own count is left out of the way."""
+"""nghttp2 counts every RST_STREAM; ours (:class:`~ext_proc.http2.limits.PeerLimits`
+``reset_burst``) counts resets of calls that had not ended, and is a setting: nghttp2's
+own count is left out of the way."""
 
 
 class EngineFailure(Exception):

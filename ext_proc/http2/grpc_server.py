@@ -116,7 +116,6 @@ class GrpcCall:
         "_backlog",
         "_backlog_bytes",
         "_unacked",
-        "_answered",
         "_client_done",
         "_headers_sent",
         "_over",
@@ -134,7 +133,6 @@ class GrpcCall:
         self._backlog: deque[bytes] = deque()
         self._backlog_bytes = 0
         self._unacked = 0
-        self._answered = False
         self._client_done = False
         self._headers_sent = False
         self._over = False
@@ -156,9 +154,8 @@ class GrpcCall:
         if self._over:
             return False
         self._over = True
-        busy = self._pending is not None or bool(self._backlog or self._buffer)
         self._handler.on_end(True)
-        return busy or not self._answered
+        return True
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -206,7 +203,6 @@ class GrpcCall:
             self._conn.consume(self._id, extra)
 
     def _answer(self, message: bytes) -> None:
-        self._answered = True
         try:
             answer = self._handler.on_message(message)
         except GrpcError as exc:

@@ -82,9 +82,12 @@ class PeerLimits:
     max_settings_entries: int = _limit("entries in one SETTINGS frame", 32)
     max_queued_acks: int = _limit("SETTINGS and PING acknowledgements queued unsent", 1_000)
     reset_burst: int = _limit(
-        "streams the peer may reset while their answer is pending, in a burst", 1_000
+        "streams the peer may reset before their call ended, in a burst (with Envoy's "
+        "graceful close, our bootstrap's, only a client abort resets a stream; an Envoy "
+        "without it resets every one and needs a rate above its requests/s)",
+        1_000,
     )
-    reset_rate: float = _limit("... and per second after the burst", 100.0)
+    reset_rate: float = _limit("... and per second after the burst", 200.0)
     glitch_burst: int = _limit(
         "empty or useless frames (empty DATA, frames on closed streams ...) in a burst",
         10_000,

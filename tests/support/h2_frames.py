@@ -40,3 +40,25 @@ def goaway_code(data: bytes) -> int | None:
         if kind == GOAWAY:
             return int.from_bytes(payload[4:8], "big")
     return None
+
+
+def literal_block(headers: list[tuple[bytes, bytes]]) -> bytes:
+    """An HPACK header block of literals without indexing (names and values < 127 bytes):
+    it never touches the decoder's dynamic table, so it can be sent any number of times."""
+    return b"".join(
+        b"\x00" + bytes([len(name)]) + name + bytes([len(value)]) + value for name, value in headers
+    )
+
+
+def grpc_request(path: bytes) -> bytes:
+    """The header block of a gRPC call to ``path``."""
+    return literal_block(
+        [
+            (b":method", b"POST"),
+            (b":scheme", b"http"),
+            (b":path", path),
+            (b":authority", b"ext-proc"),
+            (b"content-type", b"application/grpc"),
+            (b"te", b"trailers"),
+        ]
+    )
