@@ -33,7 +33,7 @@ from ext_proc.http2.grpc_server import (
     frame_message,
 )
 from ext_proc.http2.limits import PeerLimits
-from tests.support.h2_frames import PREFACE, parse
+from tests.support.h2_frames import PREFACE, grpc_request, parse
 from tests.support.h2_frames import frame as encode_frame
 
 ECHO = "/test.Echo/Stream"
@@ -464,3 +464,91 @@ async def test_a_client_that_floods_pings_and_never_reads_is_cut_off(served: tup
     await eventually(lambda: server.connections == 0, timeout=10)
     assert server.reporter.totals.get("max_queued_acks", 0) == 1
     writer.close()
+
+
+# -- limits --------------------------------------------------------------------------------
+
+
+class Gated:
+    """Answers each message once ``gate`` is set."""
+
+    def __init__(self, gate: asyncio.Event) -> None:
+        self.gate = gate
+
+    def on_message(self, message: bytes) -> Answer:
+        return self._later(message)
+
+    async def _later(self, message: bytes) -> bytes:
+        await self.gate.wait()
+        return message[:4]
+
+    def on_end(self, cancelled: bool) -> None:
+        pass
+
+
+async def raw_peer(server: GrpcServer) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(PREFACE + encode_frame(4, 0, 0) + encode_frame(4, 1, 0))
+    return reader, writer
+
+
+async def test_a_stream_whose_answer_waits_gets_no_window_back() -> None:
+    """Messages queued behind a pending answer hold their window: the peer cannot send
+    more than its window of work; when the answers come, the window comes back."""
+    gate = asyncio.Event()
+    window = 65_535
+    server = GrpcServer({ECHO: lambda: Gated(gate)}, PeerLimits(stream_window=window))
+    await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await raw_peer(server)
+        message = frame_message(b"m" * 1000)
+        writer.write(encode_frame(1, 0x4, 1, grpc_request(ECHO.encode())))
+        writer.write(b"".join(encode_frame(0, 0, 1, message) for _ in range(60)))  # < window
+        received = b""
+
+        async def read_for(seconds: float) -> None:
+            nonlocal received
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(seconds):
+                    while chunk := await reader.read(65_536):
+                        received += chunk
+
+        await read_for(0.5)
+        updates = [f for f in parse(received) if f[0] == 8 and f[2] == 1]
+        assert updates == []  # 60 KB queued behind the first answer: no window back
+        gate.set()
+        await read_for(0.5)
+        updates = [f for f in parse(received) if f[0] == 8 and f[2] == 1]
+        assert sum(int.from_bytes(p, "big") for *_, p in updates) >= 30_000
+        writer.close()
+    finally:
+        await server.stop(grace=0.5)
+
+
+async def test_unfinished_messages_are_held_within_both_budgets() -> None:
+    limits = PeerLimits(
+        max_message_bytes=64 * 1024,
+        connection_partial_bytes=64 * 1024,
+        process_partial_bytes=96 * 1024,
+    )
+    server = GrpcServer({ECHO: lambda: Echo(Ends())}, limits)
+    await server.start("127.0.0.1", 0)
+    try:
+        peers = [await raw_peer(server) for _ in range(3)]
+        piece = b"\x00" + (60_000).to_bytes(4, "big") + b"x" * 30_000  # half a message
+        for _, writer in peers:
+            for sid in (1, 3, 5):
+                writer.write(encode_frame(1, 0x4, sid, grpc_request(ECHO.encode())))
+                writer.write(encode_frame(0, 0, sid, piece[:16_000]))
+                writer.write(encode_frame(0, 0, sid, piece[16_000:]))
+        await eventually(
+            lambda: sum(server.reporter.totals.values()) >= 4 and server.partial_bytes > 0
+        )
+        assert server.partial_bytes <= limits.process_partial_bytes
+        assert set(server.reporter.totals) <= {"connection_partial_bytes", "process_partial_bytes"}
+        assert server.reporter.totals.get("process_partial_bytes", 0) >= 1
+        for _, writer in peers:
+            writer.close()
+        await eventually(lambda: server.partial_bytes == 0 and server.connections == 0, 10)
+    finally:
+        await server.stop(grace=0.5)
