@@ -396,11 +396,14 @@ class Http2Connection(asyncio.Protocol):
             return
         if out:
             transport.write(out)
-        if transport.can_write_eof():
-            transport.write_eof()
-            self._loop.call_later(LINGER, transport.abort)
-        else:
-            transport.close()
+        try:
+            if transport.can_write_eof():
+                transport.write_eof()
+                self._loop.call_later(LINGER, transport.abort)
+                return
+        except OSError:  # the peer is gone already
+            pass
+        transport.close()
 
     def _breach(self, limit: str, detail: str = "") -> None:
         self._ctx.reporter.breach(limit, self.peer, detail)

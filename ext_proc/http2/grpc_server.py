@@ -24,10 +24,11 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from enum import IntEnum
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import quote
 
 from ext_proc.http2.connection import Headers, Http2Connection, ServerContext
@@ -96,6 +97,14 @@ def frame_message(message: bytes) -> bytes:
     return b"\x00" + len(message).to_bytes(4, "big") + message
 
 
+def _start(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """A task for ``coro``, started at once where asyncio can (3.12+: its first step runs
+    now, and an answer that needs no I/O goes out in this turn of the loop)."""
+    if sys.version_info >= (3, 12):
+        return asyncio.Task(coro, eager_start=True)  # type: ignore[call-arg,unused-ignore]
+    return asyncio.ensure_future(coro)
+
+
 class GrpcCall:
     """The listener of one stream: reassembles messages, runs the handler, answers in order.
 
@@ -129,7 +138,7 @@ class GrpcCall:
         self._handler = handler
         self._max_message = max_message
         self._buffer = bytearray()
-        self._pending: asyncio.Future[bytes | None] | None = None
+        self._pending: asyncio.Task[None] | None = None
         self._backlog: deque[bytes] = deque()
         self._backlog_bytes = 0
         self._unacked = 0
@@ -215,16 +224,28 @@ class GrpcCall:
         if isinstance(answer, bytes):
             self._send(answer)
         elif answer is not None:
-            future = asyncio.ensure_future(answer)
-            self._pending = future
-            future.add_done_callback(self._answered_later)
+            task = _start(self._await(answer))
+            if not task.done():  # (an eager task may have answered already)
+                self._pending = task
 
-    def _answered_later(self, future: asyncio.Future[bytes | None]) -> None:
+    async def _await(self, answer: Awaitable[bytes | None]) -> None:
+        """Wait for an answer and send it from this task's own step: a done callback
+        would wait one more turn of the event loop."""
+        try:
+            result = await answer
+        except asyncio.CancelledError as exc:
+            self._answered(None, exc)
+            raise
+        except Exception as exc:
+            self._answered(None, exc)
+        else:
+            self._answered(result, None)
+
+    def _answered(self, answer: bytes | None, exc: BaseException | None) -> None:
         self._pending = None
         if self._over:
             return  # cancelled meanwhile: the handler knows (on_end) and cleans up
-        exc = future.exception() if not future.cancelled() else None
-        if future.cancelled() or exc is not None:
+        if exc is not None:
             if isinstance(exc, GrpcError):
                 self._fail(exc.code, exc.message)
             else:
@@ -232,7 +253,6 @@ class GrpcCall:
                 self._fail(StatusCode.INTERNAL, "internal error")
             self._conn.sent()
             return
-        answer = future.result()
         if answer is not None:
             self._send(answer)
         while self._backlog and self._pending is None and not self._over:
