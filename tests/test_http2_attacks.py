@@ -31,8 +31,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from ext_proc.http2.engine import ErrorCode
 from ext_proc.servicer import PROCESS_PATH
-from prefix_router.launch import start_ext_proc
-from prefix_router.procs import ManagedProcess, free_port
+from prefix_router.ops.launch import start_ext_proc
+from prefix_router.ops.procs import ManagedProcess, free_port
 from tests.support.h2_frames import (
     ACK,
     CONTINUATION,
