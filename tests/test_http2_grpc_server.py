@@ -552,3 +552,48 @@ async def test_unfinished_messages_are_held_within_both_budgets() -> None:
         await eventually(lambda: server.partial_bytes == 0 and server.connections == 0, 10)
     finally:
         await server.stop(grace=0.5)
+
+
+async def test_a_peer_that_reads_nothing_is_disconnected_after_the_write_stall_timeout() -> None:
+    ends = Ends()
+    limits = PeerLimits(write_stall_timeout=1.0, max_message_bytes=32 << 20)
+    server = GrpcServer({ECHO: lambda: Echo(ends)}, limits)
+    await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await raw_peer(server)  # windows open wide: we may send it all
+        writer.write(encode_frame(4, 0, 0, b"\x00\x04\x7f\xff\xff\xff"))
+        writer.write(encode_frame(8, 0, 0, (2**31 - 65_536).to_bytes(4, "big")))
+        big = frame_message(b"e" * (16 << 20))  # echoed: far more than the sockets hold
+        writer.write(encode_frame(1, 0x4, 1, grpc_request(ECHO.encode())))
+        for start in range(0, len(big), 16_384):
+            writer.write(encode_frame(0, 0, 1, big[start : start + 16_384]))
+        await writer.drain()  # and then never read
+        await eventually(lambda: server.connections == 0, timeout=30)
+        assert server.reporter.totals == {"write_stall_timeout": 1}
+        assert ends.seen == [True]
+        writer.close()
+    finally:
+        await server.stop(grace=0.5)
+
+
+async def test_a_peer_that_never_opens_its_window_is_disconnected_too() -> None:
+    """Answers wait in the engine for the peer's window: past max_queued_output, the peer
+    has the write-stall timeout to open it."""
+    ends = Ends()
+    limits = PeerLimits(write_stall_timeout=1.0, max_queued_output=256 * 1024)
+    server = GrpcServer({ECHO: lambda: Echo(ends)}, limits)
+    await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await raw_peer(server)  # its windows stay at 65,535 bytes
+        big = frame_message(b"e" * (1 << 20))
+        writer.write(encode_frame(1, 0x4, 1, grpc_request(ECHO.encode())))
+        for start in range(0, len(big), 16_384):
+            writer.write(encode_frame(0, 0, 1, big[start : start + 16_384]))
+        received = b""
+        while chunk := await asyncio.wait_for(reader.read(65_536), 30):
+            received += chunk  # read all it sends: its socket never fills
+        assert server.reporter.totals == {"write_stall_timeout": 1}
+        assert ends.seen == [True]
+        writer.close()
+    finally:
+        await server.stop(grace=0.5)

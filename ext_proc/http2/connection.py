@@ -14,7 +14,8 @@ every read produced in one write, and holds every peer to
 * resets of streams whose call had not ended (a rapid-reset attack) are rate limited;
 * a peer that has not completed the handshake in ``handshake_timeout``, a
   connection idle for ``idle_timeout`` and a peer that reads nothing of what we
-  write for ``write_stall_timeout`` are disconnected (:meth:`Http2Connection.tick`,
+  write (its socket, or its flow-control windows past ``max_queued_output``) for
+  ``write_stall_timeout`` are disconnected (:meth:`Http2Connection.tick`,
   called each second by the server);
 * the engine's own limits (stream count, CONTINUATION, SETTINGS entries, queued
   acknowledgements, useless frames) end the connection with its GOAWAY.
@@ -130,6 +131,9 @@ class Http2Connection(asyncio.Protocol):
         self._failed = False
         self._going_away = False
         self._write_paused_at: float | None = None
+        """Since when the transport's buffer is full (the peer reads nothing)."""
+        self._window_stalled_at: float | None = None
+        """Since when more than ``max_queued_output`` waits for the peer's windows."""
         self._closed = self._loop.create_future()
 
     # -- asyncio.Protocol -------------------------------------------------------------------
@@ -260,9 +264,9 @@ class Http2Connection(asyncio.Protocol):
         limits = self._limits
         if not self.handshaken and now - self.opened_at > limits.handshake_timeout:
             self.fail("handshake_timeout", ErrorCode.PROTOCOL_ERROR)
-        elif (
-            self._write_paused_at is not None
-            and now - self._write_paused_at > limits.write_stall_timeout
+        elif any(
+            since is not None and now - since > limits.write_stall_timeout
+            for since in (self._write_paused_at, self._window_stalled_at)
         ):
             self._breach("write_stall_timeout")
             self._failed = True
@@ -354,6 +358,11 @@ class Http2Connection(asyncio.Protocol):
             transport.write(out)
             if len(self._streams) >= self._limits.max_concurrent_streams and _refused_in(out):
                 self._breach("max_concurrent_streams")
+        if self._engine.queued() > self._limits.max_queued_output:
+            if self._window_stalled_at is None:
+                self._window_stalled_at = self._loop.time()
+        else:
+            self._window_stalled_at = None
         if self._engine.done and not self._failed:
             goaway = goaway_in(out) if out else None
             if goaway is not None and goaway[0] != ErrorCode.NO_ERROR:

@@ -204,9 +204,9 @@ class Engine:
         except ngh2.NGH2Error:
             pass
 
-    def queued(self, stream_id: int) -> int:
-        """Bytes of DATA queued on the stream, waiting for the peer's window."""
+    def queued(self) -> int:
+        """Bytes of DATA queued on all streams, waiting for the peer's windows."""
         try:
-            return self._conn.queued_body_size(stream_id)
+            return self._conn.queued_body_size()
         except (ngh2.NGH2Error, ValueError):
             return 0

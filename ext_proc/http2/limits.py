@@ -100,6 +100,11 @@ class PeerLimits:
     write_stall_timeout: float = _limit(
         "a peer that reads nothing of what we send this long is disconnected", 30.0
     )
+    max_queued_output: int = _limit(
+        "bytes of answers waiting for the peer's windows; past it, the peer has "
+        "write_stall_timeout to open them",
+        4 << 20,
+    )
     max_connections: int = _limit(
         "peer connections one process accepts (default: the open-file limit less 128)", 0
     )
