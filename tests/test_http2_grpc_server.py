@@ -597,3 +597,17 @@ async def test_a_peer_that_never_opens_its_window_is_disconnected_too() -> None:
         writer.close()
     finally:
         await server.stop(grace=0.5)
+
+
+@pytest.mark.parametrize("size", [2_000, 200_000])  # in one DATA frame, and in many
+async def test_a_message_over_the_size_limit_is_refused(size: int) -> None:
+    server = GrpcServer({ECHO: lambda: Echo(Ends())}, PeerLimits(max_message_bytes=1_000))
+    await server.start("127.0.0.1", 0)
+    try:
+        async with channel(server) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call(ch, ECHO, [b"x" * size])
+            assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert await call(ch, ECHO, [b"small"]) == [b"small"]
+    finally:
+        await server.stop(grace=0.5)

@@ -172,7 +172,7 @@ class GrpcCall:
         buffer = self._buffer
         if not buffer and len(data) >= 5 and data[0] == 0:  # the common case: whole messages
             size = int.from_bytes(data[1:5], "big")
-            if len(data) == 5 + size:
+            if len(data) == 5 + size and size <= self._max_message:
                 self._deliver(data[5:])
                 return
         had_partial = bool(buffer)
