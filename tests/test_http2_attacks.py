@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import json
 import time
 from collections.abc import Awaitable, Callable, Iterator
 from dataclasses import dataclass, field
@@ -33,6 +34,7 @@ from ext_proc.http2.engine import ErrorCode
 from ext_proc.servicer import PROCESS_PATH
 from prefix_router.ops.launch import start_ext_proc
 from prefix_router.ops.procs import ManagedProcess, free_port
+from tests.conftest import ProcessReaper
 from tests.support.h2_frames import (
     ACK,
     CONTINUATION,
@@ -50,6 +52,7 @@ from tests.support.h2_frames import (
     parse,
     settings,
 )
+from tests.support.static_stack import start_static_stack
 
 pytestmark = pytest.mark.e2e
 
@@ -521,3 +524,35 @@ async def test_an_idle_connection_is_closed_with_a_goaway(log_dir: Path) -> None
         peer.close()
     finally:
         proc.stop()
+
+
+async def test_envoy_opens_more_connections_past_the_stream_limit(
+    procs: ProcessReaper, log_dir: Path
+) -> None:
+    """With ext_proc's MAX_CONCURRENT_STREAMS at 5 (and the bootstrap's ext_proc cluster
+    told so), 40 requests held at once through Envoy are all routed: Envoy opens more
+    connections to ext_proc; no limit is breached. (Told nothing, Envoy sent a new
+    connection's first burst past the limit before it had ext_proc's SETTINGS, and the
+    refused streams went on without a key.)"""
+    metrics_port = free_port()
+    stack = start_static_stack(
+        procs,
+        log_dir,
+        backends=2,
+        ext_proc_args=["--h2-max-concurrent-streams", "5", "--metrics-port", str(metrics_port)],
+        ext_proc_max_concurrent_streams=5,
+    )
+    async with httpx.AsyncClient(timeout=30) as client:
+
+        async def held(i: int) -> str | None:
+            body = json.dumps({"model": "m", "messages": [{"role": "user", "content": str(i)}]})
+            r = await client.post(
+                f"{stack.url}/v1/chat/completions", content=body, headers={"x-hold-ms": "1500"}
+            )
+            assert r.status_code == 200
+            return r.json()["prefix_key"]  # type: ignore[no-any-return]
+
+        keys = await asyncio.gather(*(held(i) for i in range(40)))
+    assert None not in keys
+    ep = ExtProc(stack.ext_procs[0], stack.ext_proc_ports[0], metrics_port, "http2")
+    assert ep.breaches() == {}

@@ -17,13 +17,17 @@ from ext_proc.http2.limits import (
     default_max_connections,
     limits_from_args,
 )
-from prefix_router.envoy.bootstrap import BootstrapParams
+from prefix_router.envoy.bootstrap import EXT_PROC_MAX_CONCURRENT_STREAMS, BootstrapParams
 
 
 def test_the_default_body_limit_is_the_bootstraps() -> None:
     params = BootstrapParams(listen_port=1, admin_port=2, ext_proc=())
     assert params.max_body_bytes == DEFAULT_MAX_BODY_BYTES
     assert PeerLimits().max_message_bytes >= params.max_body_bytes
+
+
+def test_envoy_is_told_ext_procs_default_stream_limit() -> None:
+    assert EXT_PROC_MAX_CONCURRENT_STREAMS == PeerLimits().max_concurrent_streams
 
 
 def test_message_size_and_budgets_follow_the_body_limit() -> None:
