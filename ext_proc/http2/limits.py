@@ -142,14 +142,16 @@ def add_flags(parser: argparse.ArgumentParser) -> None:
         help="the largest request body Envoy passes (its bootstrap's max_body_bytes): sizes "
         "the message limit and the partial-message budgets",
     )
-    group = parser.add_argument_group("HTTP/2 limits on every peer (own transport)")
+    group = parser.add_argument_group(
+        "limits on every peer (--transport http2; grpcio takes those it has a setting for)"
+    )
     for f in dataclasses.fields(PeerLimits):
         group.add_argument(
             f"--h2-{f.name.replace('_', '-')}",
             dest=f"h2_{f.name}",
             type=type(f.default),
             default=None,
-            help=f"{f.metadata['help']} (default {f.default})",
+            help=f"{f.metadata['help']}" + (f" (default {f.default})" if f.default else ""),
         )
 
 
