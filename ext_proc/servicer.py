@@ -103,7 +103,7 @@ _OVERWRITE = b"\x18" + bytes((base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_
 
 def route_response(header_value: str) -> bytes:
     """:func:`route_response_message` serialized, written directly: the protobuf builder
-    cost a fifth of a request's CPU. (tests/test_ext_proc_servicer.py holds the bytes equal.)"""
+    cost ~26 us of ~250 a request. (tests/test_ext_proc_servicer.py holds the bytes equal.)"""
     raw = header_value.encode()
     header = _KEY_FIELD + (_field(0x1A, raw) if raw else b"")  # HeaderValue.raw_value (3)
     option = _field(0x0A, header) + _OVERWRITE  # HeaderValueOption.header (1), .append_action
