@@ -81,7 +81,7 @@ def main() -> None:
 
         def bare(port: int) -> ManagedProcess:
             return start_module(
-                f"bare-{port}", "bench.bare_ext_proc", [str(port)], logs, ready_ports=[port]
+                f"bare-{port}", "bench.scripts.bare_ext_proc", [str(port)], logs, ready_ports=[port]
             )
 
         def baseline(port: int) -> ManagedProcess:
