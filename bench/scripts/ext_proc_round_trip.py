@@ -60,7 +60,7 @@ def request_block() -> bytes:
     return b"".join(b"\x00" + bytes([len(k)]) + k + bytes([len(v)]) + v for k, v in fields)
 
 
-def envoy_messages() -> tuple[bytes, bytes]:
+def envoy_messages(body_bytes: int = 1024) -> tuple[bytes, bytes]:
     def header(key: str, value: str) -> base_pb2.HeaderValue:
         return base_pb2.HeaderValue(key=key, raw_value=value.encode())
 
@@ -75,7 +75,7 @@ def envoy_messages() -> tuple[bytes, bytes]:
             ]
         )
     )
-    body = pb.HttpBody(body=chat_body(1024), end_of_stream=True)
+    body = pb.HttpBody(body=chat_body(body_bytes), end_of_stream=True)
     return (
         grpc_message(pb.ProcessingRequest(request_headers=headers).SerializeToString()),
         grpc_message(pb.ProcessingRequest(request_body=body).SerializeToString()),
@@ -117,9 +117,9 @@ class Client:
             self.buffer += chunk
 
 
-def round_trips(port: int, exchanges: int) -> tuple[float, float]:
+def round_trips(port: int, exchanges: int, body_bytes: int = 1024) -> tuple[float, float]:
     """Median microseconds of the headers' answer and of the body's (first 10% dropped)."""
-    headers, body = envoy_messages()
+    headers, body = envoy_messages(body_bytes)
     block = request_block()
     client = Client(port)
     first, second = [], []
@@ -129,7 +129,9 @@ def round_trips(port: int, exchanges: int) -> tuple[float, float]:
         client.sock.sendall(frame(1, 0x4, sid, block) + frame(0, 0, sid, headers))
         client.until(0, sid)
         answered = time.perf_counter()
-        client.sock.sendall(frame(0, 0x1, sid, body))
+        for start in range(0, len(body), 16_384):  # Envoy's frames: 16 KiB at most
+            last = start + 16_384 >= len(body)
+            client.sock.sendall(frame(0, 0x1 if last else 0, sid, body[start : start + 16_384]))
         client.until(0, sid)
         first.append(answered - started)
         second.append(time.perf_counter() - answered)
@@ -157,6 +159,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--exchanges", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=2)
+    parser.add_argument("--body-bytes", type=int, default=1024)
     parser.add_argument("--floor", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.floor:
@@ -190,7 +193,7 @@ def main() -> None:
         print("|---|---|---|")
         for _ in range(args.rounds):
             for name, port in ports.items():
-                headers_us, body_us = round_trips(port, args.exchanges)
+                headers_us, body_us = round_trips(port, args.exchanges, args.body_bytes)
                 print(f"| {name} | {headers_us:.0f} | {body_us:.0f} |", flush=True)
     finally:
         for proc in reversed(started):
