@@ -16,18 +16,25 @@ from typing import Any
 import grpc
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from ext_proc.http2.grpc_server import MAX_MESSAGE_BYTES, GrpcError
+from ext_proc.http2.grpc_server import GrpcError
+from ext_proc.http2.limits import PeerLimits
 from ext_proc.servicer import SERVICE_NAME, ExternalProcessor
 
 
 class GrpcioExtProcServer:
     """ext_proc and health on grpcio, served like :class:`ext_proc.server.Http2ExtProcServer`."""
 
-    def __init__(self, processor: ExternalProcessor) -> None:
+    def __init__(self, processor: ExternalProcessor, limits: PeerLimits | None = None) -> None:
+        limits = limits or PeerLimits()
         self._server = grpc.aio.server(
-            options=[
+            options=[  # the limits grpcio has a knob for; it enforces its own on the rest
                 ("grpc.so_reuseport", 0),
-                ("grpc.max_receive_message_length", MAX_MESSAGE_BYTES),
+                ("grpc.max_receive_message_length", limits.max_message_bytes),
+                ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
+                ("grpc.max_connection_idle_ms", int(limits.idle_timeout * 1000)),
+                ("grpc.server_handshake_timeout_ms", int(limits.handshake_timeout * 1000)),
+                ("grpc.http2.max_frame_size", limits.max_frame_size),
+                ("grpc.max_metadata_size", limits.max_header_list_size),
                 ("grpc.http2.max_pings_without_data", 0),
             ]
         )

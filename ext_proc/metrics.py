@@ -82,6 +82,23 @@ class PrometheusCallbacks(RouterCallbacks):
             "asyncio tasks alive in this process (a leak shows as growth at rest).",
             registry=self.registry,
         )
+        self.http2_breaches = Counter(
+            "prefix_router_ext_proc_http2_limit_breaches",
+            "Peers held to a limit of the HTTP/2 server, by limit (a --h2-* flag, or "
+            "protocol_error): each one closed a connection, reset a stream or refused one.",
+            ["limit"],
+            registry=self.registry,
+        )
+        self.http2_connections = Gauge(
+            "prefix_router_ext_proc_http2_connections",
+            "HTTP/2 connections open on this process's gRPC server.",
+            registry=self.registry,
+        )
+        self.http2_partial_bytes = Gauge(
+            "prefix_router_ext_proc_http2_partial_bytes",
+            "Bytes of unfinished request messages held (against --h2-process-partial-bytes).",
+            registry=self.registry,
+        )
         # Children looked up once: labels() costs more than the increment (hot path).
         self._decided = {o: self.decisions.labels(o.value) for o in Outcome}
         self._errors = self.decisions.labels("error")
@@ -120,6 +137,9 @@ class PrometheusCallbacks(RouterCallbacks):
 
     def on_error(self, error: BaseException) -> None:
         self._errors.inc()
+
+    def on_http2_breach(self, limit: str) -> None:
+        self.http2_breaches.labels(limit).inc()
 
     def on_stream_end(self, reset: bool) -> None:
         (self._reset if reset else self._closed).inc()

@@ -21,6 +21,7 @@ from prometheus_client import start_http_server
 from ext_proc.grpcio_server import GrpcioExtProcServer
 from ext_proc.http2.grpc_server import GrpcServer
 from ext_proc.http2.health import CHECK_PATH, HealthStatus
+from ext_proc.http2.limits import PeerLimits, add_flags, limits_from_args
 from ext_proc.metrics import PrometheusCallbacks
 from ext_proc.router import RequestRouter
 from ext_proc.servicer import PROCESS_PATH, SERVICE_NAME, ExternalProcessor
@@ -40,9 +41,9 @@ class Transport(StrEnum):
     """The gRPC server that carries ext_proc's streams."""
 
     HTTP2 = "http2"
-    """Our own HTTP/2 + gRPC on the event loop (``ext_proc.http2``): the default."""
+    """Our gRPC layer on libnghttp2 and the event loop (``ext_proc.http2``): the default."""
     GRPCIO = "grpcio"
-    """grpcio's asyncio server: about four times the CPU a request; the fallback."""
+    """grpcio's asyncio server: several times the CPU a request; the fallback."""
 
 
 class ExtProcServer(Protocol):
@@ -54,11 +55,19 @@ class ExtProcServer(Protocol):
 class Http2ExtProcServer:
     """ext_proc and the gRPC health service on :class:`~ext_proc.http2.grpc_server.GrpcServer`."""
 
-    def __init__(self, processor: ExternalProcessor) -> None:
+    def __init__(self, processor: ExternalProcessor, limits: PeerLimits | None = None) -> None:
         self._health = HealthStatus((SERVICE_NAME,))
+        callbacks = processor.router.callbacks
         self._server = GrpcServer(
-            {PROCESS_PATH: processor.open, CHECK_PATH: self._health.check_method()}
+            {PROCESS_PATH: processor.open, CHECK_PATH: self._health.check_method()},
+            limits,
+            on_breach=(
+                callbacks.on_http2_breach if isinstance(callbacks, PrometheusCallbacks) else None
+            ),
         )
+        if isinstance(callbacks, PrometheusCallbacks):
+            callbacks.http2_connections.set_function(lambda: self._server.connections)
+            callbacks.http2_partial_bytes.set_function(lambda: self._server.partial_bytes)
 
     async def start(self, host: str, port: int) -> None:
         await self._server.start(host, port)
@@ -77,6 +86,7 @@ async def serve(
     port: int,
     stop: asyncio.Event | None = None,
     transport: Transport = Transport.HTTP2,
+    limits: PeerLimits | None = None,
 ) -> None:
     """Serve ext_proc (and gRPC health) on ``host:port`` until ``stop`` is set."""
     processor = ExternalProcessor(router)
@@ -85,9 +95,9 @@ async def serve(
         router.callbacks.open_streams.set_function(lambda: processor.open_streams)
         router.callbacks.asyncio_tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
     server: ExtProcServer = (
-        Http2ExtProcServer(processor)
+        Http2ExtProcServer(processor, limits)
         if transport is Transport.HTTP2
-        else GrpcioExtProcServer(processor)
+        else GrpcioExtProcServer(processor, limits)
     )
     await server.start(host, port)
     await server.set_serving(True)
@@ -138,12 +148,18 @@ def _parser() -> argparse.ArgumentParser:
         help="gRPC server: our HTTP/2 (default) or grpcio (the fallback)",
     )
     p.add_argument("--log-level", default="INFO")
+    add_flags(p)
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
     args.redis_url = resolve_redis_url(args.redis_url, args.redis_url_file)
+    try:
+        limits = limits_from_args(args)
+    except ValueError as exc:
+        parser.error(str(exc))
     setup_logging("ext_proc", args.log_level)
     config = load_config_file(args.config) if args.config else RouterConfig()
     fleet = Fleet.of([Instance.from_url(b) for b in args.backend])
@@ -168,7 +184,14 @@ def main(argv: Sequence[str] | None = None) -> int:
                 follow_state(router, args.redis_url, args.namespace, stop=stop)
             )
         try:
-            await serve(router, host=args.host, port=args.port, stop=stop, transport=args.transport)
+            await serve(
+                router,
+                host=args.host,
+                port=args.port,
+                stop=stop,
+                transport=args.transport,
+                limits=limits,
+            )
         finally:
             if follower is not None:
                 await follower

@@ -66,26 +66,50 @@ CONTINUE = {
 _CONTINUE_BODY = CONTINUE["request_body"]
 
 
-def route_response(header_value: str) -> bytes:
+def route_response_message(header_value: str) -> pb.ProcessingResponse:
     """The body answer that sets ``x-prefix-key``: what Envoy's ring hash reads."""
-    return _serialized(
-        pb.ProcessingResponse(
-            request_body=pb.BodyResponse(
-                response=pb.CommonResponse(
-                    header_mutation=pb.HeaderMutation(
-                        set_headers=[
-                            base_pb2.HeaderValueOption(
-                                header=base_pb2.HeaderValue(
-                                    key=PREFIX_KEY_HEADER, raw_value=header_value.encode()
-                                ),
-                                append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
-                            )
-                        ]
-                    )
+    return pb.ProcessingResponse(
+        request_body=pb.BodyResponse(
+            response=pb.CommonResponse(
+                header_mutation=pb.HeaderMutation(
+                    set_headers=[
+                        base_pb2.HeaderValueOption(
+                            header=base_pb2.HeaderValue(
+                                key=PREFIX_KEY_HEADER, raw_value=header_value.encode()
+                            ),
+                            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                        )
+                    ]
                 )
             )
         )
     )
+
+
+def _field(tag: int, payload: bytes) -> bytes:
+    """A length-delimited protobuf field: tag byte, varint length, payload."""
+    size = len(payload)
+    length = bytearray()
+    while size >= 0x80:
+        length.append((size & 0x7F) | 0x80)
+        size >>= 7
+    length.append(size)
+    return bytes((tag,)) + length + payload
+
+
+_KEY_FIELD = _field(0x0A, PREFIX_KEY_HEADER.encode())  # HeaderValue.key (1)
+_OVERWRITE = b"\x18" + bytes((base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,))
+
+
+def route_response(header_value: str) -> bytes:
+    """:func:`route_response_message` serialized, written directly: the protobuf builder
+    cost ~26 us of ~250 a request. (tests/test_ext_proc_servicer.py holds the bytes equal.)"""
+    raw = header_value.encode()
+    header = _KEY_FIELD + (_field(0x1A, raw) if raw else b"")  # HeaderValue.raw_value (3)
+    option = _field(0x0A, header) + _OVERWRITE  # HeaderValueOption.header (1), .append_action
+    mutation = _field(0x0A, option)  # HeaderMutation.set_headers (1)
+    common = _field(0x12, mutation)  # CommonResponse.header_mutation (2)
+    return _field(0x1A, _field(0x0A, common))  # ProcessingResponse.request_body (3).response (1)
 
 
 def _header(value: base_pb2.HeaderValue) -> str:

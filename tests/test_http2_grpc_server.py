@@ -24,7 +24,7 @@ import hpack
 import pytest
 from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame
 
-from ext_proc.http2.frames import PREFACE, ErrorCode, encode_frame
+from ext_proc.http2.engine import ErrorCode
 from ext_proc.http2.grpc_server import (
     Answer,
     GrpcError,
@@ -32,6 +32,9 @@ from ext_proc.http2.grpc_server import (
     StatusCode,
     frame_message,
 )
+from ext_proc.http2.limits import PeerLimits
+from tests.support.h2_frames import PREFACE, grpc_request, parse
+from tests.support.h2_frames import frame as encode_frame
 from tests.support.wait import async_wait_until
 
 ECHO = "/test.Echo/Stream"
@@ -167,18 +170,51 @@ async def test_a_cancelled_call_is_ended_as_cancelled(served: tuple) -> None:
         await eventually(lambda: server.open_calls == 0)
 
 
-async def test_three_thousand_concurrent_calls(served: tuple) -> None:
-    server, ends = served
-    async with channel(server) as ch:
-        held = [raw_stream(ch, HOLD)() for _ in range(3000)]
-        for c in held:
-            await c.write(b"x")
-        await eventually(lambda: server.open_calls == 3000, timeout=60)
-        for c in held:
-            await c.done_writing()
-        for c in held:
-            assert await c.code() is grpc.StatusCode.OK
-    assert ends.seen.count(False) == 3000
+async def test_three_thousand_concurrent_calls_within_the_stream_limit() -> None:
+    ends = Ends()
+    server = GrpcServer({HOLD: lambda: Hold(ends)}, PeerLimits(max_concurrent_streams=3000))
+    await server.start("127.0.0.1", 0)
+    try:
+        async with channel(server) as ch:
+            held = [raw_stream(ch, HOLD)() for _ in range(3000)]
+            for c in held:
+                await c.write(b"x")
+            await eventually(lambda: server.open_calls == 3000, timeout=20)
+            for c in held:
+                await c.done_writing()
+            for c in held:
+                assert await c.code() is grpc.StatusCode.OK
+        assert ends.seen.count(False) == 3000
+    finally:
+        await server.stop(grace=1.0)
+
+
+async def test_calls_past_the_stream_limit_wait_for_a_free_stream() -> None:
+    """MAX_CONCURRENT_STREAMS is advertised: a client holds calls past it until one ends."""
+    ends = Ends()
+    server = GrpcServer({HOLD: lambda: Hold(ends)}, PeerLimits(max_concurrent_streams=50))
+    await server.start("127.0.0.1", 0)
+    try:
+        release = asyncio.Event()
+
+        async def one(ch: grpc.aio.Channel) -> grpc.StatusCode:
+            held = raw_stream(ch, HOLD)()
+            await held.write(b"x")  # a call past the limit waits here for a stream
+            await release.wait()
+            await held.done_writing()
+            return await held.code()
+
+        async with channel(server) as ch:
+            calls = [asyncio.ensure_future(one(ch)) for _ in range(120)]
+            await eventually(lambda: server.open_calls == 50, timeout=20)
+            await asyncio.sleep(0.2)  # nothing more gets in while all 50 are held
+            assert server.open_calls == 50
+            release.set()
+            assert await asyncio.gather(*calls) == [grpc.StatusCode.OK] * 120
+        assert ends.seen.count(False) == 120
+        assert "max_concurrent_streams" not in server.reporter.totals  # it obeyed
+    finally:
+        await server.stop(grace=1.0)
 
 
 @contextlib.asynccontextmanager
@@ -382,34 +418,193 @@ async def test_data_on_a_stream_never_opened_closes_the_connection(served: tuple
     assert code == ErrorCode.PROTOCOL_ERROR
 
 
-async def test_a_stream_id_that_goes_backwards_closes_the_connection(served: tuple) -> None:
-    server, _ = served
-    block = hpack.Encoder().encode([(":method", "POST"), (":path", ECHO)])
-    opens = b"".join(encode_frame(1, 0x4, sid, block) for sid in (5, 3))
-    code = await goaway_for(server, PREFACE + encode_frame(4, 0, 0) + opens)
-    assert code == ErrorCode.PROTOCOL_ERROR
+async def test_a_stream_id_that_goes_backwards_opens_nothing(served: tuple) -> None:
+    """RFC 9113 5.1.1 makes it a connection error; libnghttp2 ignores the frame (a
+    "glitch", counted towards the useless-frame limit): no call is opened either way."""
+    server, ends = served
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    encoder = hpack.Encoder()
+    request = [
+        (":method", "POST"),
+        (":scheme", "http"),
+        (":path", ECHO),
+        (":authority", "t"),
+        ("content-type", "application/grpc"),
+    ]
+    opens = b"".join(encode_frame(1, 0x4 | 0x1, sid, encoder.encode(request)) for sid in (5, 3))
+    writer.write(PREFACE + encode_frame(4, 0, 0) + opens + encode_frame(6, 0, 0, b"12345678"))
+    received = b""
+    while not any(k == 6 and f & 1 for k, f, _, _ in parse(received)):  # until the PING ACK
+        received += await asyncio.wait_for(reader.read(65_536), 5.0)
+    answered = {sid for k, _, sid, _ in parse(received) if k == 1}
+    assert answered == {5}
+    writer.close()
+    await eventually(lambda: ends.seen == [False])
 
 
 async def test_a_header_block_that_does_not_decode_is_a_compression_error(served: tuple) -> None:
     server, _ = served
-    code = await goaway_for(server, PREFACE + encode_frame(1, 0x4, 1, b"\xff\xff\xff\xff"))
+    frames = PREFACE + encode_frame(4, 0, 0) + encode_frame(1, 0x4, 1, b"\xff\xff\xff\xff")
+    code = await goaway_for(server, frames)
     assert code == ErrorCode.COMPRESSION_ERROR
+    assert server.reporter.totals == {"protocol_error": 1}
 
 
-async def test_a_client_that_never_reads_stops_being_read(served: tuple) -> None:
-    """Backpressure: a flood of PINGs whose ACKs nobody reads fills our write buffer only
-    to asyncio's high-water mark; then we stop reading, and the kernel holds the rest."""
+async def test_a_client_that_floods_pings_and_never_reads_is_cut_off(served: tuple) -> None:
+    """More unanswered PINGs than the queued-acknowledgement limit end the connection."""
     server, _ = served
     reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
     writer.write(PREFACE + encode_frame(4, 0, 0))
     pings = encode_frame(6, 0, 0, b"12345678") * 1000
-    for _ in range(400):  # 6.8 MB of PINGs: as many bytes of ACKs
+    for _ in range(400):  # 6.8 MB of PINGs: as many bytes of ACKs, never read
         writer.write(pings)
-    # private: the server's side of this connection, and its transport
-    await eventually(lambda: len(server._connections) == 1)
-    (connection,) = server._connections
-    transport = connection._transport
-    assert transport is not None
-    await eventually(lambda: not transport.is_reading())  # it stopped reading ...
-    assert transport.get_write_buffer_size() < 1_000_000  # ... with its buffer bounded
+    await eventually(lambda: server.connections == 0, timeout=10)
+    assert server.reporter.totals.get("max_queued_acks", 0) == 1
     writer.close()
+
+
+# -- limits --------------------------------------------------------------------------------
+
+
+class Gated:
+    """Answers each message once ``gate`` is set."""
+
+    def __init__(self, gate: asyncio.Event) -> None:
+        self.gate = gate
+
+    def on_message(self, message: bytes) -> Answer:
+        return self._later(message)
+
+    async def _later(self, message: bytes) -> bytes:
+        await self.gate.wait()
+        return message[:4]
+
+    def on_end(self, cancelled: bool) -> None:
+        pass
+
+
+async def raw_peer(server: GrpcServer) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    writer.write(PREFACE + encode_frame(4, 0, 0) + encode_frame(4, 1, 0))
+    return reader, writer
+
+
+async def test_a_stream_whose_answer_waits_gets_no_window_back() -> None:
+    """Messages queued behind a pending answer hold their window: the peer cannot send
+    more than its window of work; when the answers come, the window comes back."""
+    gate = asyncio.Event()
+    window = 65_535
+    server = GrpcServer({ECHO: lambda: Gated(gate)}, PeerLimits(stream_window=window))
+    await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await raw_peer(server)
+        message = frame_message(b"m" * 1000)
+        writer.write(encode_frame(1, 0x4, 1, grpc_request(ECHO.encode())))
+        writer.write(b"".join(encode_frame(0, 0, 1, message) for _ in range(60)))  # < window
+        received = b""
+
+        async def read_for(seconds: float) -> None:
+            nonlocal received
+            with contextlib.suppress(TimeoutError):
+                async with asyncio.timeout(seconds):
+                    while chunk := await reader.read(65_536):
+                        received += chunk
+
+        await read_for(0.5)
+        updates = [f for f in parse(received) if f[0] == 8 and f[2] == 1]
+        assert updates == []  # 60 KB queued behind the first answer: no window back
+        gate.set()
+        await read_for(0.5)
+        updates = [f for f in parse(received) if f[0] == 8 and f[2] == 1]
+        assert sum(int.from_bytes(p, "big") for *_, p in updates) >= 30_000
+        writer.close()
+    finally:
+        await server.stop(grace=0.5)
+
+
+async def test_unfinished_messages_are_held_within_both_budgets() -> None:
+    limits = PeerLimits(
+        max_message_bytes=64 * 1024,
+        connection_partial_bytes=64 * 1024,
+        process_partial_bytes=96 * 1024,
+    )
+    server = GrpcServer({ECHO: lambda: Echo(Ends())}, limits)
+    await server.start("127.0.0.1", 0)
+    try:
+        peers = [await raw_peer(server) for _ in range(3)]
+        piece = b"\x00" + (60_000).to_bytes(4, "big") + b"x" * 30_000  # half a message
+        for _, writer in peers:
+            for sid in (1, 3, 5):
+                writer.write(encode_frame(1, 0x4, sid, grpc_request(ECHO.encode())))
+                writer.write(encode_frame(0, 0, sid, piece[:16_000]))
+                writer.write(encode_frame(0, 0, sid, piece[16_000:]))
+        await eventually(
+            lambda: sum(server.reporter.totals.values()) >= 4 and server.partial_bytes > 0
+        )
+        assert server.partial_bytes <= limits.process_partial_bytes
+        assert set(server.reporter.totals) <= {"connection_partial_bytes", "process_partial_bytes"}
+        assert server.reporter.totals.get("process_partial_bytes", 0) >= 1
+        for _, writer in peers:
+            writer.close()
+        await eventually(lambda: server.partial_bytes == 0 and server.connections == 0, 10)
+    finally:
+        await server.stop(grace=0.5)
+
+
+async def test_a_peer_that_reads_nothing_is_disconnected_after_the_write_stall_timeout() -> None:
+    ends = Ends()
+    limits = PeerLimits(write_stall_timeout=1.0, max_message_bytes=32 << 20)
+    server = GrpcServer({ECHO: lambda: Echo(ends)}, limits)
+    await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await raw_peer(server)  # windows open wide: we may send it all
+        writer.write(encode_frame(4, 0, 0, b"\x00\x04\x7f\xff\xff\xff"))
+        writer.write(encode_frame(8, 0, 0, (2**31 - 65_536).to_bytes(4, "big")))
+        big = frame_message(b"e" * (16 << 20))  # echoed: far more than the sockets hold
+        writer.write(encode_frame(1, 0x4, 1, grpc_request(ECHO.encode())))
+        for start in range(0, len(big), 16_384):
+            writer.write(encode_frame(0, 0, 1, big[start : start + 16_384]))
+        await writer.drain()  # and then never read
+        await eventually(lambda: server.connections == 0, timeout=30)
+        assert server.reporter.totals == {"write_stall_timeout": 1}
+        assert ends.seen == [True]
+        writer.close()
+    finally:
+        await server.stop(grace=0.5)
+
+
+async def test_a_peer_that_never_opens_its_window_is_disconnected_too() -> None:
+    """Answers wait in the engine for the peer's window: past max_queued_output, the peer
+    has the write-stall timeout to open it."""
+    ends = Ends()
+    limits = PeerLimits(write_stall_timeout=1.0, max_queued_output=256 * 1024)
+    server = GrpcServer({ECHO: lambda: Echo(ends)}, limits)
+    await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await raw_peer(server)  # its windows stay at 65,535 bytes
+        big = frame_message(b"e" * (1 << 20))
+        writer.write(encode_frame(1, 0x4, 1, grpc_request(ECHO.encode())))
+        for start in range(0, len(big), 16_384):
+            writer.write(encode_frame(0, 0, 1, big[start : start + 16_384]))
+        received = b""
+        while chunk := await asyncio.wait_for(reader.read(65_536), 30):
+            received += chunk  # read all it sends: its socket never fills
+        assert server.reporter.totals == {"write_stall_timeout": 1}
+        assert ends.seen == [True]
+        writer.close()
+    finally:
+        await server.stop(grace=0.5)
+
+
+@pytest.mark.parametrize("size", [2_000, 200_000])  # in one DATA frame, and in many
+async def test_a_message_over_the_size_limit_is_refused(size: int) -> None:
+    server = GrpcServer({ECHO: lambda: Echo(Ends())}, PeerLimits(max_message_bytes=1_000))
+    await server.start("127.0.0.1", 0)
+    try:
+        async with channel(server) as ch:
+            with pytest.raises(grpc.aio.AioRpcError) as refused:
+                await call(ch, ECHO, [b"x" * size])
+            assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
+            assert await call(ch, ECHO, [b"small"]) == [b"small"]
+    finally:
+        await server.stop(grace=0.5)

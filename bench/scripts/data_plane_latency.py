@@ -13,7 +13,13 @@ on a core of its own, a figure the other processes on the machine move much less
 than they move requests/s (Envoy, wrk and the backends share its two cores). It
 prints a markdown table (also written to bench/results/data_plane_latency.md).
 
-    python bench/scripts/data_plane_latency.py [--ext-procs 1] [--seconds 8]
+    python bench/scripts/data_plane_latency.py [--ext-procs 1] [--seconds 8] [--baseline DIR]
+
+``--baseline DIR`` adds one more path: ext_proc run from another checkout (``git worktree
+add DIR COMMIT``), on its default transport, so a change to the server is measured
+against what it replaces in the same run. The last lines give the ratios the data path
+is held to: ext_proc's added p50 over the bare one's at concurrency 1, the whole stack's
+req/s over Envoy alone's at 16, and CPU a request over the baseline's.
 """
 
 from __future__ import annotations
@@ -44,7 +50,11 @@ def main() -> None:
     parser.add_argument("--seconds", type=int, default=8)
     parser.add_argument("--envoy-concurrency", type=int, default=2)
     parser.add_argument("--redis-url", help="share counts through Redis (full decision path)")
+    parser.add_argument("--baseline", help="a checkout whose ext_proc is measured too")
     args = parser.parse_args()
+    paths = dict(PATHS)
+    if args.baseline:
+        paths["baseline"] = f"prefix-router ext_proc at {Path(args.baseline).name} (baseline)"
 
     started: list[ManagedProcess] = []
     logs = Path(tempfile.mkdtemp(prefix="bench-dp-"))
@@ -71,13 +81,19 @@ def main() -> None:
 
         def bare(port: int) -> ManagedProcess:
             return start_module(
-                f"bare-{port}", "bench.bare_ext_proc", [str(port)], logs, ready_ports=[port]
+                f"bare-{port}", "bench.scripts.bare_ext_proc", [str(port)], logs, ready_ports=[port]
             )
 
+        def baseline(port: int) -> ManagedProcess:
+            env = {"PYTHONPATH": str(Path(args.baseline).resolve())}
+            return start_ext_proc(port, logs, args=ep_args, name=f"baseline-{port}", env=env)
+
         starters = {"bare": bare, "ext_proc": ours("http2"), "ext_proc_grpcio": ours("grpcio")}
+        if args.baseline:
+            starters["baseline"] = baseline
         pids: dict[str, list[int]] = {"direct": []}
         urls = {}
-        for name in PATHS:
+        for name in paths:
             eps = [free_port() for _ in range(args.ext_procs)] if name in starters else []
             for port in eps:
                 started.append(starters[name](port))
@@ -99,7 +115,7 @@ def main() -> None:
             )
             urls[name] = f"http://127.0.0.1:{params.listen_port}/v1/chat/completions"
 
-        rows = []
+        rows, ratios = [], []
         for size in (1024, 64 * 1024):
             body = chat_body(size)
             latency = {
@@ -113,7 +129,19 @@ def main() -> None:
                 used = sum(cpu_seconds(pid) for pid in pids[name]) - before
                 cpu_us[name] = used / (rate[name]["rps"] * args.seconds) * 1e6
             direct = latency["direct"]
-            for name, label in PATHS.items():
+            added_p50 = {n: latency[n]["p50"] - direct["p50"] for n in urls if n != "direct"}
+            ratios.append(
+                f"{size // 1024} KB: ext_proc added p50 / bare's = "
+                f"**{added_p50['ext_proc'] / added_p50['bare']:.2f}**; stack req/s (c16) / Envoy "
+                f"alone's = **{rate['ext_proc']['rps'] / rate['direct']['rps']:.2f}**"
+                + (
+                    f"; CPU a request / baseline's = "
+                    f"**{cpu_us['ext_proc'] / cpu_us['baseline']:.2f}**"
+                    if "baseline" in cpu_us
+                    else ""
+                )
+            )
+            for name, label in paths.items():
                 r, t = latency[name], rate[name]
                 added = ["-", "-"]
                 cpu = "-"
@@ -134,6 +162,8 @@ def main() -> None:
                 "| req/s (c16) | ext_proc CPU a request = req/s a core | non-2xx |",
                 "|---|---|---|---|---|---|---|---|---|",
                 *rows,
+                "",
+                *(f"- {line}" for line in ratios),
             ]
         )
         print(table)

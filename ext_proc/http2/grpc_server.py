@@ -24,20 +24,21 @@ from __future__ import annotations
 
 import asyncio
 import logging
+import sys
 from collections import deque
-from collections.abc import Awaitable, Callable, Mapping
+from collections.abc import Awaitable, Callable, Coroutine, Mapping
 from enum import IntEnum
-from typing import Protocol
+from typing import Any, Protocol
 from urllib.parse import quote
 
-from ext_proc.http2.connection import Http2Connection
-from ext_proc.http2.frames import STATUS_200, encode_literal_headers
-from ext_proc.http2.header_decoding import Headers
+from ext_proc.http2.connection import Headers, Http2Connection, ServerContext
+from ext_proc.http2.engine import ErrorCode, goaway_frame
+from ext_proc.http2.limits import BreachReporter, PeerLimits
 
 log = logging.getLogger("prefix_router.ext_proc.http2")
 
-MAX_MESSAGE_BYTES = 64 * 1024 * 1024 + 64 * 1024
-"""Largest request message accepted: a 64 MiB body and its envelope."""
+MAX_MESSAGE_BYTES = PeerLimits().max_message_bytes
+"""Largest request message accepted by default: a 64 MiB body and its envelope."""
 
 
 class StatusCode(IntEnum):
@@ -77,15 +78,16 @@ class MessageHandler(Protocol):
 Method = Callable[[], MessageHandler]
 
 
-RESPONSE_HEADERS = STATUS_200 + encode_literal_headers([("content-type", "application/grpc")])
+RESPONSE_HEADERS: Headers = ((b":status", b"200"), (b"content-type", b"application/grpc"))
 
 
-def trailers(code: StatusCode, message: str = "") -> bytes:
+def trailers(code: StatusCode, message: str = "") -> Headers:
     """The trailing header block of a call that ends with ``code``."""
-    fields = [("grpc-status", str(int(code)))]
-    if message:
-        fields.append(("grpc-message", quote(message, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~")))
-    return encode_literal_headers(fields)
+    status = (b"grpc-status", str(int(code)).encode())
+    if not message:
+        return (status,)
+    text = quote(message, safe=" !\"#$&'()*+,-./:;<=>?@[\\]^_`{|}~")
+    return (status, (b"grpc-message", text.encode()))
 
 
 OK_TRAILERS = trailers(StatusCode.OK)
@@ -95,28 +97,51 @@ def frame_message(message: bytes) -> bytes:
     return b"\x00" + len(message).to_bytes(4, "big") + message
 
 
+def _start(coro: Coroutine[Any, Any, None]) -> asyncio.Task[None]:
+    """A task for ``coro``, started at once where asyncio can (3.12+: its first step runs
+    now, and an answer that needs no I/O goes out in this turn of the loop)."""
+    if sys.version_info >= (3, 12):
+        return asyncio.Task(coro, eager_start=True)  # type: ignore[call-arg,unused-ignore]
+    return asyncio.ensure_future(coro)
+
+
 class GrpcCall:
-    """The listener of one stream: reassembles messages, runs the handler, answers in order."""
+    """The listener of one stream: reassembles messages, runs the handler, answers in order.
+
+    Flow control: the bytes of a message are given back to the peer's window when the
+    handler takes the message, and the bytes of an unfinished message as they are
+    charged to the budgets (:meth:`Http2Connection.hold_partial`); a message that
+    waits for an earlier answer holds its window, so a peer cannot queue more than
+    its window of work on a stream.
+    """
 
     __slots__ = (
         "_conn",
         "_id",
         "_handler",
+        "_max_message",
         "_buffer",
         "_pending",
         "_backlog",
+        "_backlog_bytes",
+        "_unacked",
         "_client_done",
         "_headers_sent",
         "_over",
     )
 
-    def __init__(self, conn: Http2Connection, stream_id: int, handler: MessageHandler) -> None:
+    def __init__(
+        self, conn: Http2Connection, stream_id: int, handler: MessageHandler, max_message: int
+    ) -> None:
         self._conn = conn
         self._id = stream_id
         self._handler = handler
+        self._max_message = max_message
         self._buffer = bytearray()
-        self._pending: asyncio.Future[bytes | None] | None = None
+        self._pending: asyncio.Task[None] | None = None
         self._backlog: deque[bytes] = deque()
+        self._backlog_bytes = 0
+        self._unacked = 0
         self._client_done = False
         self._headers_sent = False
         self._over = False
@@ -124,19 +149,22 @@ class GrpcCall:
     # -- StreamListener ---------------------------------------------------------------------
 
     def data_received(self, data: bytes, end_stream: bool) -> None:
-        if self._over:
-            return
         if data:
-            self._take(data)
+            self._unacked += len(data)
+            if not self._over:
+                self._take(data)
+            self._settle()
         if end_stream and not self._over:
             self._client_done = True
             if self._pending is None and not self._backlog:
                 self._finish(StatusCode.OK)
 
-    def reset(self) -> None:
-        if not self._over:
-            self._over = True
-            self._handler.on_end(True)
+    def reset(self) -> bool:
+        if self._over:
+            return False
+        self._over = True
+        self._handler.on_end(True)
+        return True
 
     # -- messages ---------------------------------------------------------------------------
 
@@ -144,32 +172,44 @@ class GrpcCall:
         buffer = self._buffer
         if not buffer and len(data) >= 5 and data[0] == 0:  # the common case: whole messages
             size = int.from_bytes(data[1:5], "big")
-            if len(data) == 5 + size:
+            if len(data) == 5 + size and size <= self._max_message:
                 self._deliver(data[5:])
                 return
+        had_partial = bool(buffer)
         buffer += data
         while len(buffer) >= 5 and not self._over:
             if buffer[0] != 0:
                 self._fail(StatusCode.UNIMPLEMENTED, "compressed messages are not supported")
                 return
             size = int.from_bytes(buffer[1:5], "big")
-            if size > MAX_MESSAGE_BYTES:
+            if size > self._max_message:
                 self._fail(
                     StatusCode.RESOURCE_EXHAUSTED,
-                    f"message of {size} bytes exceeds {MAX_MESSAGE_BYTES}",
+                    f"message of {size} bytes exceeds {self._max_message}",
                 )
                 return
             if len(buffer) < 5 + size:
-                return
+                break
             message = bytes(buffer[5 : 5 + size])
             del buffer[: 5 + size]
             self._deliver(message)
+        if (buffer or had_partial) and not self._over:
+            if not self._conn.hold_partial(self._id, len(buffer)):
+                self._fail(StatusCode.RESOURCE_EXHAUSTED, "unfinished messages over budget")
 
     def _deliver(self, message: bytes) -> None:
         if self._pending is not None or self._backlog:
             self._backlog.append(message)
+            self._backlog_bytes += 5 + len(message)
             return
         self._answer(message)
+
+    def _settle(self) -> None:
+        """Give back the window of every byte taken: all but the waiting messages'."""
+        extra = self._unacked - self._backlog_bytes
+        if extra > 0:
+            self._unacked -= extra
+            self._conn.consume(self._id, extra)
 
     def _answer(self, message: bytes) -> None:
         try:
@@ -184,52 +224,72 @@ class GrpcCall:
         if isinstance(answer, bytes):
             self._send(answer)
         elif answer is not None:
-            future = asyncio.ensure_future(answer)
-            self._pending = future
-            future.add_done_callback(self._answered)
+            task = _start(self._await(answer))
+            if not task.done():  # (an eager task may have answered already)
+                self._pending = task
 
-    def _answered(self, future: asyncio.Future[bytes | None]) -> None:
+    async def _await(self, answer: Awaitable[bytes | None]) -> None:
+        """Wait for an answer and send it from this task's own step: a done callback
+        would wait one more turn of the event loop."""
+        try:
+            result = await answer
+        except asyncio.CancelledError as exc:
+            self._answered(None, exc)
+            raise
+        except Exception as exc:
+            self._answered(None, exc)
+        else:
+            self._answered(result, None)
+
+    def _answered(self, answer: bytes | None, exc: BaseException | None) -> None:
         self._pending = None
         if self._over:
             return  # cancelled meanwhile: the handler knows (on_end) and cleans up
-        exc = future.exception() if not future.cancelled() else None
-        if future.cancelled() or exc is not None:
+        if exc is not None:
             if isinstance(exc, GrpcError):
                 self._fail(exc.code, exc.message)
             else:
                 log.error("handler failed", exc_info=exc)
                 self._fail(StatusCode.INTERNAL, "internal error")
+            self._conn.sent()
             return
-        answer = future.result()
         if answer is not None:
             self._send(answer)
         while self._backlog and self._pending is None and not self._over:
-            self._answer(self._backlog.popleft())
+            message = self._backlog.popleft()
+            self._backlog_bytes -= 5 + len(message)
+            self._answer(message)
+        self._settle()
         if self._client_done and self._pending is None and not self._backlog and not self._over:
             self._finish(StatusCode.OK)
+        self._conn.sent()
 
     # -- answers ----------------------------------------------------------------------------
 
     def _send(self, message: bytes) -> None:
         if not self._headers_sent:
             self._headers_sent = True
-            self._conn.send_headers(self._id, RESPONSE_HEADERS)
+            self._conn.respond(self._id, RESPONSE_HEADERS)
         self._conn.send_data(self._id, frame_message(message))
 
     def _finish(self, code: StatusCode, message: str = "") -> None:
         self._over = True
         if self._headers_sent:
-            block = (
-                OK_TRAILERS if code is StatusCode.OK and not message else trailers(code, message)
+            self._conn.send_trailers(
+                self._id, OK_TRAILERS if code is StatusCode.OK else trailers(code, message)
             )
-        else:
-            block = RESPONSE_HEADERS + trailers(code, message)  # "trailers-only"
-        self._conn.send_headers(self._id, block, end_stream=True)
+        else:  # "trailers-only"
+            self._conn.respond(
+                self._id, RESPONSE_HEADERS + trailers(code, message), end_stream=True
+            )
         self._handler.on_end(False)
 
     def _fail(self, code: StatusCode, message: str) -> None:
         self._backlog.clear()
-        self._buffer.clear()
+        self._backlog_bytes = 0
+        if self._buffer:
+            self._buffer.clear()
+            self._conn.hold_partial(self._id, 0)
         self._finish(code, message)
 
     def end(self, code: StatusCode, message: str) -> None:
@@ -255,13 +315,39 @@ def _header(headers: Headers, name: bytes) -> bytes | None:
     return None
 
 
-class GrpcServer:
-    """Serves ``methods`` (``"/package.Service/Method"`` -> factory) on one TCP port."""
+class _Refuser(asyncio.Protocol):
+    """A connection over the process's cap: told so (GOAWAY), then closed."""
 
-    def __init__(self, methods: Mapping[str, Method]) -> None:
+    def connection_made(self, transport: asyncio.BaseTransport) -> None:
+        transport.write(goaway_frame(ErrorCode.ENHANCE_YOUR_CALM, b"too many connections"))  # type: ignore[attr-defined]
+        transport.close()
+
+
+class GrpcServer:
+    """Serves ``methods`` (``"/package.Service/Method"`` -> factory) on one TCP port, holding
+    every peer to ``limits``; ``on_breach(limit)`` counts each breach (a metric)."""
+
+    def __init__(
+        self,
+        methods: Mapping[str, Method],
+        limits: PeerLimits | None = None,
+        on_breach: Callable[[str], None] | None = None,
+    ) -> None:
         self._methods = {path.encode(): factory for path, factory in methods.items()}
-        self._connections: set[Http2Connection] = set()
+        self.limits = limits = limits or PeerLimits()
+        self.reporter = BreachReporter(on_breach)
+        self._context = ServerContext(self._open_call, limits, self.reporter)
+        self._connections: dict[Http2Connection, None] = {}
+        """Open connections, oldest first."""
         self._server: asyncio.Server | None = None
+        self._sweeper: asyncio.TimerHandle | None = None
+        self._sweep_every = min(
+            1.0,
+            limits.handshake_timeout / 4,
+            limits.idle_timeout / 4,
+            limits.write_stall_timeout / 4,
+            limits.partial_message_timeout / 4,
+        )
 
     def _open_call(self, conn: Http2Connection, stream_id: int, headers: Headers) -> GrpcCall:
         path = _header(headers, b":path") or b""
@@ -276,21 +362,43 @@ class GrpcServer:
             refusal = "compressed calls are not supported"
         elif factory is None:
             refusal = f"unknown method {path.decode('latin-1')}"
+        max_message = self.limits.max_message_bytes
         if refusal is None:
             assert factory is not None
-            return GrpcCall(conn, stream_id, factory())
-        call = GrpcCall(conn, stream_id, _Refused())
+            return GrpcCall(conn, stream_id, factory(), max_message)
+        call = GrpcCall(conn, stream_id, _Refused(), max_message)
         call.end(StatusCode.UNIMPLEMENTED, refusal)
         return call
 
-    def _connection(self) -> Http2Connection:
-        conn = Http2Connection(self._open_call, on_close=self._connections.discard)
-        self._connections.add(conn)
+    def _connection(self) -> asyncio.Protocol:
+        if len(self._connections) >= self.limits.max_connections:
+            # make room by the oldest connection still without a handshake, if any
+            waiting = next((c for c in self._connections if not c.handshaken), None)
+            self.reporter.breach("max_connections", waiting.peer if waiting else "?")
+            if waiting is None:
+                return _Refuser()
+            self._connections.pop(waiting, None)
+            waiting.abort()
+        conn = Http2Connection(self._context, on_close=self._forget)
+        self._connections[conn] = None
         return conn
+
+    def _forget(self, conn: Http2Connection) -> None:
+        self._connections.pop(conn, None)
+
+    def _sweep(self) -> None:
+        loop = asyncio.get_running_loop()
+        now = loop.time()
+        for conn in list(self._connections):
+            conn.tick(now)
+        self._sweeper = loop.call_later(self._sweep_every, self._sweep)
 
     async def start(self, host: str, port: int) -> None:
         loop = asyncio.get_running_loop()
-        self._server = await loop.create_server(self._connection, host, port, reuse_address=True)
+        self._server = await loop.create_server(
+            self._connection, host, port, reuse_address=True, backlog=1024
+        )
+        self._sweeper = loop.call_later(self._sweep_every, self._sweep)
 
     @property
     def port(self) -> int:
@@ -301,8 +409,19 @@ class GrpcServer:
     def open_calls(self) -> int:
         return sum(c.open_streams for c in self._connections)
 
+    @property
+    def connections(self) -> int:
+        return len(self._connections)
+
+    @property
+    def partial_bytes(self) -> int:
+        """Bytes of unfinished request messages held by all connections."""
+        return self._context.budget.used
+
     async def stop(self, grace: float) -> None:
         """Stop listening, let open calls end within ``grace`` seconds, then cut the rest."""
+        if self._sweeper is not None:
+            self._sweeper.cancel()
         if self._server is not None:
             self._server.close()
         connections = list(self._connections)

@@ -33,6 +33,8 @@ PROBE_PATHS = ("/ready", "/stats/prometheus")
 """What the probe listener passes on to Envoy's admin interface; every other path gets 404."""
 PROBE_MAX_CONNECTIONS = 64
 """Open connections the probe listener keeps (kubelet and Prometheus need a few)."""
+EXT_PROC_MAX_CONCURRENT_STREAMS = 1_000
+"""ext_proc's default ``--h2-max-concurrent-streams`` (tests hold the two equal)."""
 
 
 def template_path() -> Path:
@@ -65,6 +67,10 @@ class BootstrapParams:
     (failure_mode_allow). Generous: a request that times out loses its routing."""
     lb_policy: str = "RING_HASH"
     """Static fleet only: the model cluster's load balancer (benchmark baselines)."""
+    ext_proc_max_concurrent_streams: int = EXT_PROC_MAX_CONCURRENT_STREAMS
+    """Streams Envoy opens on one connection to an ext_proc process, then it opens another.
+    ext_proc advertises its own limit (``--h2-max-concurrent-streams``, the same default),
+    but only once a connection is up: a burst on a new connection would find it unknown."""
     max_downstream_connections: int | None = None
     """Open client connections Envoy keeps; more are closed at once. None: half the
     open-file limit of the process that renders the bootstrap (Envoy's, when it starts
@@ -88,7 +94,7 @@ def default_max_downstream_connections() -> int:
 
 
 def _static_cluster(
-    name: str, hosts: tuple[tuple[str, int], ...], *, http2: bool
+    name: str, hosts: tuple[tuple[str, int], ...], *, http2: bool, max_streams: int | None = None
 ) -> dict[str, Any]:
     """A fixed cluster of ``hosts``: STATIC for IP literals, STRICT_DNS once any is a name.
 
@@ -124,7 +130,11 @@ def _static_cluster(
         cluster["typed_extension_protocol_options"] = {
             options: {
                 "@type": f"type.googleapis.com/{options}",
-                "explicit_http_config": {"http2_protocol_options": {}},
+                "explicit_http_config": {
+                    "http2_protocol_options": (
+                        {} if max_streams is None else {"max_concurrent_streams": max_streams}
+                    )
+                },
             }
         }
     return cluster
@@ -269,7 +279,12 @@ def render_bootstrap(
             f"grpc_client_idle_s must be at least {MIN_GRPC_CLIENT_IDLE_S} (Envoy's minimum), "
             f"got {params.grpc_client_idle_s}"
         )
-    ext_proc = _static_cluster(EXT_PROC_CLUSTER, params.ext_proc, http2=True)
+    ext_proc = _static_cluster(
+        EXT_PROC_CLUSTER,
+        params.ext_proc,
+        http2=True,
+        max_streams=params.ext_proc_max_concurrent_streams,
+    )
     ext_proc["circuit_breakers"] = circuit_breakers(config)
     clusters = [ext_proc]
     probes = probe_listener(params)

@@ -46,6 +46,7 @@ def start_static_stack(
     max_downstream_connections: int | None = None,
     envoy_concurrency: int = 2,
     grpc_client_idle_s: int | None = None,
+    ext_proc_max_concurrent_streams: int | None = None,
 ) -> StaticStack:
     """Backends are echo servers, or simulated vLLM instances when ``sim_args`` is given.
 
@@ -87,6 +88,11 @@ def start_static_stack(
         admin_port=stack.admin_port,
         ext_proc=tuple(("127.0.0.1", p) for p in stack.ext_proc_ports),
         max_downstream_connections=max_downstream_connections,
+        **(
+            {}
+            if ext_proc_max_concurrent_streams is None
+            else {"ext_proc_max_concurrent_streams": ext_proc_max_concurrent_streams}
+        ),
     )
     if grpc_client_idle_s is not None:
         params = replace(params, grpc_client_idle_s=grpc_client_idle_s)
