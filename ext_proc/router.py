@@ -138,6 +138,8 @@ class RequestRouter:
     ) -> tuple[Routed, RoutingStore, bool]:
         """A decision on the fleet's shared state, or on this replica's own when that is
         unavailable (then ``degraded`` is True)."""
+        if isinstance(self.store, InProcessStore):  # one replica: nothing to wait for
+            return self.store.route_now(key, table), self.store, False
         now = time.monotonic()
         if now >= self._store_down_until:
             try:

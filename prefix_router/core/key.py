@@ -165,6 +165,7 @@ def _key(
     )
 
 
+@lru_cache(maxsize=4096)
 def _seed(tenant: str, salt: str) -> int:
     if not tenant and not salt:
         return 0
