@@ -1,6 +1,6 @@
 """ext_proc on grpcio's asyncio server: the fallback transport (``--transport grpcio``).
 
-The same :class:`~ext_proc.servicer.ProcessingSession` per stream as on our own
+The same :class:`~ext_proc.servicer.ProcessingStream` per stream as on our own
 HTTP/2 server, registered as a generic handler on raw bytes (grpcio neither
 parses nor serializes), plus grpcio's health service. It costs roughly twice the
 CPU a request (see README, Performance) and is kept for an Envoy or network set-up
@@ -40,23 +40,23 @@ class GrpcioExtProcServer:
         )
 
         async def process(requests: AsyncIterator[bytes], context: Any) -> AsyncIterator[bytes]:
-            session = processor.open()
+            stream = processor.open()
             cancelled = True  # unless the loop ends: a cancellation is Envoy's reset
             try:
                 async for message in requests:
                     try:
-                        answer = session.on_message(message)
+                        answer = stream.on_message(message)
                     except GrpcError as exc:
                         await context.abort(grpc.StatusCode[exc.code.name], exc.message)
                     if answer is not None and not isinstance(answer, bytes):
                         # shielded: a reset must not cut a reservation in half; the
-                        # session gives the count back when the routing ends
+                        # stream gives the count back when the routing ends
                         answer = await asyncio.shield(answer)
                     if answer is not None:
                         yield answer
                 cancelled = False
             finally:
-                session.on_end(cancelled)
+                stream.on_end(cancelled)
 
         self._server.add_generic_rpc_handlers(
             [

@@ -20,9 +20,9 @@ cost a third message a request and hold the stream no longer.
 Our bootstrap turns on Envoy's graceful close
 (``envoy.reloadable_features.ext_proc_graceful_grpc_close``): Envoy half-closes
 the stream at the request's end and we end it with status OK. Without it Envoy
-resets every stream; both end the session, a reset counted as such.
+resets every stream; both end the stream, a reset counted as such.
 
-A :class:`ProcessingSession` is one stream, independent of the gRPC server
+A :class:`ProcessingStream` is one stream, independent of the gRPC server
 that carries it (``ext_proc.http2``, or grpcio in ``ext_proc.grpcio_server``):
 it takes each message as bytes and answers bytes, at once for the headers and
 with an awaitable for the body, whose routing may wait on Redis. Responses that
@@ -118,18 +118,18 @@ def _header(value: base_pb2.HeaderValue) -> str:
 
 
 class ExternalProcessor:
-    """ext_proc's method: a :class:`ProcessingSession` per stream, over one router."""
+    """ext_proc's method: a :class:`ProcessingStream` per stream, over one router."""
 
     def __init__(self, router: RequestRouter) -> None:
         self.router = router
         self.open_streams = 0
 
-    def open(self) -> ProcessingSession:
+    def open(self) -> ProcessingStream:
         self.open_streams += 1
-        return ProcessingSession(self)
+        return ProcessingStream(self)
 
 
-class ProcessingSession:
+class ProcessingStream:
     """One ext_proc stream, that is one HTTP request through Envoy."""
 
     __slots__ = ("_processor", "_path", "_tenant", "_request_id", "_routing", "_result", "_ended")

@@ -19,7 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from ext_proc.router import RequestRouter
-from ext_proc.servicer import ExternalProcessor, ProcessingSession
+from ext_proc.servicer import ExternalProcessor, ProcessingStream
 from prefix_router.core.config import PrefixMode, RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.key import KeySettings, extract_key
@@ -128,7 +128,7 @@ ROUTER = RequestRouter(
 )
 
 
-async def answer(session: ProcessingSession, message: bytes) -> pb.ProcessingResponse:
+async def answer(session: ProcessingStream, message: bytes) -> pb.ProcessingResponse:
     reply = session.on_message(message)
     if reply is not None and not isinstance(reply, bytes):
         reply = await reply
