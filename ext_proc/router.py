@@ -85,14 +85,18 @@ class RequestRouter:
     def __init__(
         self,
         table: RoutingTable,
-        store: RoutingStore,
+        store: RoutingStore | None,
         callbacks: RouterCallbacks | None = None,
     ) -> None:
+        """``store`` is the state shared with the other replicas; None: this replica
+        routes alone, on its own state."""
         self.table = table
-        self.store = store
-        self.callbacks = callbacks or RouterCallbacks()
         self.local = InProcessStore()
-        """This replica's own state, decided on while the shared store is unavailable."""
+        """This replica's own state: all of it when alone, else decided on while the
+        shared store is unavailable."""
+        self.alone = store is None
+        self.store: RoutingStore = self.local if store is None else store
+        self.callbacks = callbacks or RouterCallbacks()
         self._store_down_until = 0.0
         self._store_down = False
 
@@ -138,8 +142,8 @@ class RequestRouter:
     ) -> tuple[Routed, RoutingStore, bool]:
         """A decision on the fleet's shared state, or on this replica's own when that is
         unavailable (then ``degraded`` is True)."""
-        if isinstance(self.store, InProcessStore):  # one replica: nothing to wait for
-            return self.store.route_now(key, table), self.store, False
+        if self.alone:  # nothing to wait for, nothing to fall back to
+            return self.local.route_now(key, table), self.local, False
         now = time.monotonic()
         if now >= self._store_down_until:
             try:

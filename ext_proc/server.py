@@ -31,7 +31,7 @@ from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.table import RoutingTable
 from prefix_router.logs import setup_logging
 from prefix_router.state.redis_url import resolve_redis_url
-from prefix_router.state.routing import InProcessStore, RoutingStore
+from prefix_router.state.routing import RoutingStore
 from prefix_router.state.routing.redis_store import RedisStore
 
 log = logging.getLogger("prefix_router.ext_proc")
@@ -113,10 +113,10 @@ async def serve(
 
 async def _routing_store(
     redis_url: str | None, namespace: str, config: RouterConfig
-) -> RoutingStore:
-    """The fleet's routing state in Redis when given one, else this process's own."""
+) -> RoutingStore | None:
+    """The fleet's routing state in Redis when given one; None: this replica routes alone."""
     if redis_url is None:
-        return InProcessStore()
+        return None
     return await RedisStore.connect(
         redis_url, namespace=namespace, timeout_s=config.redis_timeout_ms / 1000
     )
@@ -195,7 +195,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         finally:
             if follower is not None:
                 await follower
-            await store.close()
+            await router.store.close()
 
     if args.transport is Transport.HTTP2:
         uvloop.run(run())  # grpcio's asyncio server does not run on uvloop

@@ -123,7 +123,7 @@ async def assert_survived(stack: StaticStack, metrics_port: int, streams: int) -
         check_envoy_alive(stack)
         raise
     check_envoy_alive(stack)
-    await InFlight(metrics_port).seconds_until_zero(limit=30)
+    await InFlight(metrics_port).given_back()
 
 
 @pytest.fixture

@@ -110,7 +110,7 @@ async def test_fleet_view_reads_every_instance_and_the_load_store(fleetside: Fle
         key = extract_key(PROMPT.encode(), settings=table.key_settings)
         routed = [await routing.route(key, table, "req-0")]
         # held in flight, they fill the holder to the in-flight bound, then go to the other
-        while routed[-1].decision.outcome is not Outcome.SPILLED and len(routed) < 10:
+        while routed[-1].decision.outcome is not Outcome.SPILLED and len(routed) < 40:
             routed.append(await routing.route(key, table, f"req-{len(routed)}"))
         spilled = routed[-1]
         assert spilled.decision.outcome is Outcome.SPILLED
