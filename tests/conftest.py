@@ -18,6 +18,8 @@ from prefix_router.ops.procs import ManagedProcess
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
 
+pytest_plugins = ["tests.support.state_records"]  # the ``store`` fixture of the state tests
+
 
 class ProcessReaper:
     def __init__(self) -> None:

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import asyncio
-from collections.abc import AsyncIterator, Callable
 
 import pytest
 
@@ -12,24 +11,8 @@ from prefix_router.core.errors import FleetError
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.state.store import FleetRecord, StateStore, watch_state
 from tests.conftest import REDIS_URL
-from tests.support.redis_ns import fresh_store
+from tests.support.state_records import A, B, add
 from tests.support.wait import async_wait_until
-
-A = Instance("127.0.0.1", 9001)
-B = Instance("127.0.0.1", 9002, weight=2)
-
-
-@pytest.fixture
-async def store() -> AsyncIterator[StateStore]:
-    async with fresh_store() as st:
-        yield st
-
-
-def add(instance: Instance) -> Callable[[FleetRecord], FleetRecord]:
-    def change(record: FleetRecord) -> FleetRecord:
-        return FleetRecord(Fleet.of([*record.fleet.instances, instance]), record.removing)
-
-    return change
 
 
 async def test_empty_namespace_reads_version_zero_defaults(store: StateStore) -> None:

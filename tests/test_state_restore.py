@@ -6,7 +6,7 @@ from __future__ import annotations
 import asyncio
 import logging
 import time
-from collections.abc import AsyncIterator, Callable
+from collections.abc import Callable
 
 import pytest
 import redis
@@ -14,27 +14,11 @@ import redis
 from control_plane.restore import StateKeeper
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
-from prefix_router.state.store import FleetRecord, StateStore, watch_state
+from prefix_router.state.store import StateStore, watch_state
 from prefix_router.state.supervision import read_report, supervision_key, write_report
 from tests.conftest import REDIS_URL
-from tests.support.redis_ns import fresh_store
+from tests.support.state_records import A, B, add
 from tests.support.supervision import REPORT
-
-A = Instance("127.0.0.1", 9001)
-B = Instance("127.0.0.1", 9002, weight=2)
-
-
-@pytest.fixture
-async def store() -> AsyncIterator[StateStore]:
-    async with fresh_store() as st:
-        yield st
-
-
-def add(instance: Instance) -> Callable[[FleetRecord], FleetRecord]:
-    def change(record: FleetRecord) -> FleetRecord:
-        return FleetRecord(Fleet.of([*record.fleet.instances, instance]), record.removing)
-
-    return change
 
 
 async def lose_state(store: StateStore) -> None:

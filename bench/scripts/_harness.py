@@ -172,3 +172,17 @@ def cpu_seconds(pid: int) -> float:
 
     times = psutil.Process(pid).cpu_times()
     return float(times.user + times.system)
+
+
+def rss_table(samples: list[tuple[float, dict[str, float]]], names: list[str]) -> list[str]:
+    """Markdown rows: each component's RSS (MB) at each sample's minute."""
+    return [
+        "| minute | " + " | ".join(names) + " |",
+        "|---" * (len(names) + 1) + "|",
+        *[
+            f"| {at / 60:.1f} | "
+            + " | ".join(f"{rss.get(k, float('nan')):.1f}" for k in names)
+            + " |"
+            for at, rss in samples
+        ],
+    ]

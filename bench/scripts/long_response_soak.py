@@ -39,7 +39,7 @@ from pathlib import Path
 import psutil
 import redis
 
-from bench.scripts._harness import ROOT
+from bench.scripts._harness import ROOT, rss_table
 from prefix_router.ops.procs import free_port
 from prefix_router.ops.up import Stack, resolve_settings
 
@@ -402,14 +402,7 @@ def main() -> None:
         "",
         "RSS (MB):",
         "",
-        "| minute | " + " | ".join(names) + " |",
-        "|---" * (len(names) + 1) + "|",
-        *[
-            f"| {at / 60:.1f} | "
-            + " | ".join(f"{rss.get(k, float('nan')):.1f}" for k in names)
-            + " |"
-            for at, rss in samples
-        ],
+        *rss_table(samples, names),
     ]
     report = "\n".join(lines)
     print(report)

@@ -23,7 +23,7 @@ from pathlib import Path
 
 import psutil
 
-from bench.scripts._harness import ROOT, Connection
+from bench.scripts._harness import ROOT, Connection, rss_table
 from prefix_router.ops.procs import free_port
 from prefix_router.ops.up import Stack, resolve_settings
 
@@ -189,14 +189,7 @@ def main() -> None:
         "",
         "RSS (MB) over the sustained phase:",
         "",
-        "| minute | " + " | ".join(rss_start) + " |",
-        "|---" * (len(rss_start) + 1) + "|",
-        *[
-            f"| {at / 60:.1f} | "
-            + " | ".join(f"{rss.get(k, float('nan')):.1f}" for k in rss_start)
-            + " |"
-            for at, rss in samples
-        ],
+        *rss_table(samples, list(rss_start)),
     ]
     report = "\n".join(lines)
     print(report)
