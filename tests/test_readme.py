@@ -1,4 +1,4 @@
-"""The README documents every setting, and its set-up commands are the ones CI runs."""
+"""docs/configuration.md documents every setting; the README's set-up commands are the ones CI runs."""
 
 from __future__ import annotations
 
@@ -12,6 +12,7 @@ from prefix_router.ops.up import ROUTING_SHORTCUTS, UpSettings
 
 ROOT = Path(__file__).resolve().parent.parent
 README = (ROOT / "README.md").read_text()
+CONFIGURATION = (ROOT / "docs" / "configuration.md").read_text()
 
 
 def field_names(model: type[BaseModel]) -> list[tuple[str, str]]:
@@ -27,10 +28,10 @@ def field_names(model: type[BaseModel]) -> list[tuple[str, str]]:
 
 
 def settings_table() -> list[tuple[str, str]]:
-    """(section, field) named in the first cell of each row of the README's routing settings
+    """(section, field) named in the first cell of each row of the routing settings
     table: ``a``, ``s.a``, and ``.b`` after ``s.a`` (another field of section ``s``); the
     flag and env var in parentheses are checked by the next test."""
-    lines = README.split("| setting | default | meaning |", 1)[1].splitlines()[2:]
+    lines = CONFIGURATION.split("| setting | default | meaning |", 1)[1].splitlines()[2:]
     named = []
     for line in lines:
         if not line.startswith("|"):
@@ -56,8 +57,8 @@ def test_the_settings_table_documents_every_routing_setting_and_no_other() -> No
 
 def test_every_up_setting_is_documented_with_its_flag_and_env_var() -> None:
     for name in [*UpSettings.model_fields, *ROUTING_SHORTCUTS]:
-        assert f"--{name.replace('_', '-')}" in README, name
-        assert f"PREFIX_ROUTER_{name.upper()}" in README, name
+        assert f"--{name.replace('_', '-')}" in CONFIGURATION, name
+        assert f"PREFIX_ROUTER_{name.upper()}" in CONFIGURATION, name
 
 
 def test_ci_runs_the_readme_test_command() -> None:
@@ -76,3 +77,16 @@ def test_every_test_docs_testing_md_names_exists() -> None:
         assert path.exists(), file
         if test:
             assert re.search(rf"^(async )?def {test}\(", path.read_text(), re.M), (file, test)
+
+
+def test_every_relative_link_in_the_docs_points_at_a_file() -> None:
+    """README.md, docs/*.md and bench/README.md link to files that exist (anchors aside)."""
+    pages = [ROOT / "README.md", ROOT / "bench" / "README.md", *(ROOT / "docs").glob("*.md")]
+    broken = []
+    for page in pages:
+        for target in re.findall(r"\]\(([^)#\s]+)(?:#[^)]*)?\)", page.read_text()):
+            if "://" in target or target.startswith("mailto:"):
+                continue
+            if not (page.parent / target).exists():
+                broken.append(f"{page.relative_to(ROOT)}: {target}")
+    assert not broken, broken
