@@ -17,15 +17,14 @@ from types import ModuleType
 from bench.results import RunResult
 
 BASELINE = "round-robin"
-PREFIX_POLICIES = ("prefix", "prefix-spill", "prefix-relative", "prefix-spill-ring")
+PREFIX_POLICIES = ("prefix", "prefix-spill", "prefix-fixed")
 """The policies whose goals are checked, in the order the goal lines list them."""
 _COLORS = {
     "round-robin": "#7f7f7f",
     "least-request": "#bcbd22",
     "prefix": "#1f77b4",
     "prefix-spill": "#d62728",
-    "prefix-relative": "#9467bd",
-    "prefix-spill-ring": "#ff7f0e",
+    "prefix-fixed": "#ff7f0e",
 }
 
 

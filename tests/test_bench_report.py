@@ -68,7 +68,7 @@ def test_goal_verdicts_follow_the_numbers() -> None:
     unique = check_goals({"unique": [
         result("round-robin", [0.20] * 10, hits=0, workload="unique"),
         result("prefix", [0.22] * 10, hits=0, workload="unique"),
-        result("prefix-relative", [0.18] * 10, hits=0, workload="unique"),
+        result("prefix-fixed", [0.18] * 10, hits=0, workload="unique"),
     ]})
     assert "+10.0% vs round robin (**missed**" in unique[0]
     assert "-10.0% vs round robin (**met**" in unique[1]

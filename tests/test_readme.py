@@ -1,4 +1,4 @@
-"""docs/configuration.md documents every setting; the README's set-up commands are the ones CI runs."""
+"""docs/configuration.md documents every setting; CI runs the README's set-up commands."""
 
 from __future__ import annotations
 

@@ -40,18 +40,15 @@ WORKLOADS: dict[str, list[str]] = {
 instance's share among six (the same 3.5 requests/s an instance as at 14/s over four), enough
 to overload the instance that holds it, which is what spill is for. Among four it is 2x,
 mostly cache hits, and the hot instance has room to spare (bench/README.md)."""
-POLICIES = {w: "all,prefix-spill-ring" for w in WORKLOADS} | {
-    "unique": "all,prefix-spill-ring,prefix-relative"
-}
-"""Besides the four: ``prefix-spill-ring`` (new prefixes on the ring's pick, as before
-placement) shows what placement adds; on unique prefixes, ``prefix-relative`` (spill above
-1.25 x the fleet's mean load) is the other lever for evenness."""
+POLICIES = {w: "all,prefix-fixed" for w in WORKLOADS}
+"""Besides the four: ``prefix-fixed`` (one key of the first 1 KiB, the reference product's
+rule, with today's decision) shows what the longest-prefix key adds."""
 
 LARGE_RUN = [
     "--workload", "rag", "--instances", "128", "--num-gpu-blocks", "8192",
     "--concurrency-threshold", "16", "--requests", "100000", "--rate", "64",
     "--set", "docs=3072", "--resize", "500:+32,1000:-32", "--window", "20",
-    "--policies", "round-robin,prefix,prefix-spill,prefix-spill-ring",
+    "--policies", "round-robin,prefix,prefix-spill,prefix-fixed",
 ]
 """128 instances, 3,072 documents (24 per instance), 100k requests; 32 instances join at
 500 s and 32 random ones leave at 1,000 s."""
@@ -60,7 +57,7 @@ LARGEST_RUN = [
     "--workload", "rag", "--instances", "256", "--num-gpu-blocks", "8192",
     "--concurrency-threshold", "16", "--requests", "100000", "--rate", "128",
     "--set", "docs=6144", "--resize", "300:+64,550:-64", "--window", "10",
-    "--policies", "round-robin,prefix-spill,prefix-spill-ring",
+    "--policies", "round-robin,prefix-spill,prefix-fixed",
 ]
 """256 instances, the same per-instance load and working set, 64 join and 64 leave."""
 
