@@ -1,17 +1,41 @@
 """Seeded workload generators: who shares which prefix, and when requests arrive.
 
 Every generator takes a frozen parameter object and returns a :class:`Workload` whose
-arrivals follow a Poisson process at ``rate`` requests per model-second. The same
-parameters (seed included) always give the same workload, byte for byte.
+arrivals come at ``rate`` requests per model-second. The same parameters (seed included)
+always give the same workload, byte for byte.
 
-==================  =========================================================================
-``system-prompt``   a few long system prompts, short user turns
-``rag``             a pool of long documents, many questions per document (Zipf popularity)
-``chat``            multi-turn conversations; each turn resends the conversation so far
-``code``            code completion: a file's content as context, an edited region at its end
-``unique``          every prompt unique from its first byte: routing cannot help
-``hot-prefix``      system prompts where one prompt carries ``hot_share`` of the traffic
-==================  =========================================================================
+=====================  ======================================================================
+``system-prompt``      a few long system prompts, short user turns
+``rag``                a pool of long documents, many questions per document (Zipf popularity)
+``chat``               multi-turn conversations; each turn resends the conversation so far
+``code``               code completion: a file's content as context, an edited region at its end
+``unique``             every prompt unique from its first byte: routing cannot help
+``hot-prefix``         system prompts where one prompt carries ``hot_share`` of the traffic
+``long-system-chat``   one system prompt of ~1,800 tokens shared by 600 conversations of
+                       6 turns (the shared head is longer than a fixed key's 1 KiB)
+``trace-like``         shaped like a public production trace of multi-turn chat: every
+                       request starts with the same 512-token (2 KB) block, conversations
+                       diverge after it, user turns and conversation lengths are
+                       heavy-tailed, arrivals come in bursts
+``group-prompts``      128 groups x 16 prompts, a 4,096-token system prompt per group
+                       (16 KiB: a fixed key shorter than that sees only the group), short
+                       user turns; load, not the key, is what this one tests
+=====================  ======================================================================
+
+Two options every workload shares (:class:`Common`), because they decide whether a
+router's load signal is right:
+
+``outputs``
+    ``uniform`` (``output_min`` .. ``output_max``) or ``lognormal``: median
+    ``output_median``, log-space deviation ``output_sigma``, capped at ``output_cap``
+    (at 256 and 1.0: mean ~420 tokens, 1% above ~2,600). Real outputs are heavy-tailed,
+    so decoding dominates the time a request is in flight. The three new workloads use
+    ``lognormal``; the older ones keep ``uniform`` so their results stay comparable.
+``arrivals`` / ``burstiness``
+    ``poisson``, or ``gamma``: gaps between arrivals drawn from a gamma distribution of
+    the same mean whose coefficient of variation is ``burstiness`` (1 is Poisson; 2
+    packs arrivals into clumps, with the variance of the count in a window ~4x
+    Poisson's). ``trace-like`` is bursty by default.
 
 Sizes are in tokens of the simulator's tokenizer (4 bytes each). Each workload is built so
 its requests differ within the first 1024 bytes of the rendered prompt (the default
@@ -22,6 +46,7 @@ from __future__ import annotations
 
 import dataclasses
 import itertools
+import math
 import random
 from collections.abc import Callable, Iterator, Mapping
 from dataclasses import dataclass
@@ -30,22 +55,42 @@ from typing import Any
 from bench.spec import Arrival, Turn, Workload
 from bench.text import BYTES_PER_TOKEN, filler
 
+OUTPUTS = ("uniform", "lognormal")
+ARRIVALS = ("poisson", "gamma")
+
 
 @dataclass(frozen=True, kw_only=True)
 class Common:
     requests: int = 2000
     """Requests in the run (conversation turns count one each)."""
     rate: float = 8.0
-    """Arrivals of requests per model-second, fleet-wide (Poisson)."""
+    """Arrivals of requests per model-second, fleet-wide."""
     seed: int = 1
+    arrivals: str = "poisson"
+    """``poisson`` or ``gamma`` (gaps with coefficient of variation ``burstiness``)."""
+    burstiness: float = 2.0
+    """``gamma`` arrivals: coefficient of variation of the gaps (1: as Poisson)."""
+    outputs: str = "uniform"
+    """``uniform`` (``output_min`` .. ``output_max``) or ``lognormal``."""
     output_min: int = 64
     output_max: int = 256
+    output_median: int = 256
+    """``lognormal`` outputs: the median (at least ``output_min``, at most ``output_cap``)."""
+    output_sigma: float = 1.0
+    """``lognormal`` outputs: standard deviation of the log of the length."""
+    output_cap: int = 4096
 
     def __post_init__(self) -> None:
         if self.requests < 1 or self.rate <= 0:
             raise ValueError("requests must be >= 1 and rate > 0")
         if not 1 <= self.output_min <= self.output_max:
             raise ValueError("need 1 <= output_min <= output_max")
+        if self.outputs not in OUTPUTS or self.arrivals not in ARRIVALS:
+            raise ValueError(f"outputs must be one of {OUTPUTS}, arrivals one of {ARRIVALS}")
+        if self.burstiness <= 0 or self.output_sigma < 0:
+            raise ValueError("need burstiness > 0 and output_sigma >= 0")
+        if not self.output_min <= self.output_median <= self.output_cap:
+            raise ValueError("need output_min <= output_median <= output_cap")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -111,11 +156,63 @@ class UniqueParams(Common):
     prompt_max: int = 6000
 
 
+@dataclass(frozen=True, kw_only=True)
+class LongSystemChatParams(ChatParams):
+    requests: int = 3600
+    system_tokens: int = 1800
+    turns_min: int = 6
+    turns_max: int = 6
+    outputs: str = "lognormal"
+    output_min: int = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class TraceLikeParams(Common):
+    """Conversations after one shared 512-token block, heavy-tailed in every dimension."""
+
+    requests: int = 3000
+    block_tokens: int = 512
+    """The block every request starts with (the system message)."""
+    turns_mean: float = 2.5
+    """Mean turns of a conversation: 1 + geometric, so most are short, a few long."""
+    turns_max: int = 12
+    user_median: int = 1000
+    user_sigma: float = 1.0
+    user_cap: int = 8000
+    """User turns in tokens: lognormal (median, log deviation), capped."""
+    think_mean_s: float = 20.0
+    arrivals: str = "gamma"
+    outputs: str = "lognormal"
+    output_min: int = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class GroupPromptsParams(Common):
+    requests: int = 2048
+    groups: int = 128
+    per_group: int = 16
+    """Requests per group in each round: every group comes ``per_group`` times in a
+    shuffled round of ``groups x per_group`` requests (the run repeats rounds)."""
+    prompt_tokens: int = 4096
+    user_min: int = 40
+    user_max: int = 200
+    outputs: str = "lognormal"
+    output_min: int = 16
+
+
 # -- shared pieces --------------------------------------------------------------------------
 
 
-def _arrival_times(rng: random.Random, rate: float) -> Iterator[float]:
+def _arrival_times(rng: random.Random, rate: float, p: Common) -> Iterator[float]:
+    """Arrival times at ``rate`` a second: Poisson, or gamma gaps of the same mean whose
+    coefficient of variation is ``p.burstiness`` (shape ``1 / burstiness**2``)."""
     t = 0.0
+    if p.arrivals == "gamma":
+        shape = 1.0 / p.burstiness**2
+        scale = 1.0 / (rate * shape)
+        while True:
+            t += rng.gammavariate(shape, scale)
+            yield t
     while True:
         t += rng.expovariate(rate)
         yield t
@@ -127,7 +224,14 @@ def _popularity(count: int, skew: float) -> list[float]:
 
 
 def _output(rng: random.Random, p: Common) -> int:
+    if p.outputs == "lognormal":
+        return _lognormal(rng, p.output_median, p.output_sigma, p.output_min, p.output_cap)
     return rng.randint(p.output_min, p.output_max)
+
+
+def _lognormal(rng: random.Random, median: int, sigma: float, low: int, high: int) -> int:
+    """A heavy-tailed length: lognormal around ``median``, clamped to ``low .. high``."""
+    return max(low, min(high, round(rng.lognormvariate(math.log(median), sigma))))
 
 
 def _single(t: float, group: str, turn: Turn) -> Arrival:
@@ -141,7 +245,7 @@ def _system_prompt(p: SystemPromptParams) -> Iterator[Arrival]:
     rng = random.Random(f"{p.seed}:system-prompt")
     prompts = [filler(f"{p.seed}:system:{i}", p.prompt_tokens) for i in range(p.prompts)]
     weights = _popularity(p.prompts, p.skew)
-    for n, t in zip(range(p.requests), _arrival_times(rng, p.rate), strict=False):
+    for n, t in zip(range(p.requests), _arrival_times(rng, p.rate, p), strict=False):
         i = rng.choices(range(p.prompts), cum_weights=weights)[0]
         question = filler(f"{p.seed}:user:{n}", rng.randint(p.user_min, p.user_max))
         turn = Turn(max_tokens=_output(rng, p),
@@ -152,7 +256,7 @@ def _system_prompt(p: SystemPromptParams) -> Iterator[Arrival]:
 def _hot_prefix(p: HotPrefixParams) -> Iterator[Arrival]:
     rng = random.Random(f"{p.seed}:hot-prefix")
     prompts = [filler(f"{p.seed}:hot:{i}", p.prompt_tokens) for i in range(p.prompts)]
-    for n, t in zip(range(p.requests), _arrival_times(rng, p.rate), strict=False):
+    for n, t in zip(range(p.requests), _arrival_times(rng, p.rate, p), strict=False):
         i = 0 if rng.random() < p.hot_share else rng.randrange(1, p.prompts)
         question = filler(f"{p.seed}:user:{n}", rng.randint(p.user_min, p.user_max))
         turn = Turn(max_tokens=_output(rng, p),
@@ -167,7 +271,7 @@ def _rag(p: RagParams) -> Iterator[Arrival]:
     )
     docs = [filler(f"{p.seed}:doc:{i}", p.doc_tokens) for i in range(p.docs)]
     weights = _popularity(p.docs, p.skew)
-    for n, t in zip(range(p.requests), _arrival_times(rng, p.rate), strict=False):
+    for n, t in zip(range(p.requests), _arrival_times(rng, p.rate, p), strict=False):
         d = rng.choices(range(p.docs), cum_weights=weights)[0]
         question = filler(f"{p.seed}:question:{n}", rng.randint(p.question_min, p.question_max))
         content = f"<document id={d}>\n{docs[d]}\n</document>\nQuestion: {question}"
@@ -176,18 +280,18 @@ def _rag(p: RagParams) -> Iterator[Arrival]:
         yield _single(t, f"doc-{d}", turn)
 
 
-def _chat(p: ChatParams) -> Iterator[Arrival]:
-    rng = random.Random(f"{p.seed}:chat")
-    system = "You are a helpful assistant. " + filler(f"{p.seed}:chat-system", p.system_tokens)
+def _chat(p: ChatParams, name: str = "chat") -> Iterator[Arrival]:
+    rng = random.Random(f"{p.seed}:{name}")
+    system = "You are a helpful assistant. " + filler(f"{p.seed}:{name}-system", p.system_tokens)
     mean_turns = (p.turns_min + p.turns_max) / 2
     remaining = p.requests
-    for c, t in enumerate(_arrival_times(rng, p.rate / mean_turns)):
+    for c, t in enumerate(_arrival_times(rng, p.rate / mean_turns, p)):
         if remaining <= 0:
             return
         count = min(remaining, rng.randint(p.turns_min, p.turns_max))
         turns = []
         for k in range(count):
-            user = filler(f"{p.seed}:chat:{c}:{k}", rng.randint(p.user_min, p.user_max))
+            user = filler(f"{p.seed}:{name}:{c}:{k}", rng.randint(p.user_min, p.user_max))
             messages = (("system", system), ("user", user)) if k == 0 else (("user", user),)
             think = 0.0 if k == 0 else rng.expovariate(1.0 / p.think_mean_s)
             turns.append(Turn(max_tokens=_output(rng, p), messages=messages, think_s=think))
@@ -204,7 +308,7 @@ def _code(p: CodeParams) -> Iterator[Arrival]:
     ]
     limits = [len(b) + p.growth_max * BYTES_PER_TOKEN for b in bodies]
     weights = _popularity(p.files, p.skew)
-    for n, t in zip(range(p.requests), _arrival_times(rng, p.rate), strict=False):
+    for n, t in zip(range(p.requests), _arrival_times(rng, p.rate, p), strict=False):
         f = rng.choices(range(p.files), cum_weights=weights)[0]
         edit = "\n" + filler(f"{p.seed}:edit:{n}", rng.randint(p.edit_min, p.edit_max))
         turn = Turn(max_tokens=_output(rng, p), prompt=bodies[f] + edit)
@@ -215,10 +319,47 @@ def _code(p: CodeParams) -> Iterator[Arrival]:
 
 def _unique(p: UniqueParams) -> Iterator[Arrival]:
     rng = random.Random(f"{p.seed}:unique")
-    for n, t in zip(range(p.requests), _arrival_times(rng, p.rate), strict=False):
+    for n, t in zip(range(p.requests), _arrival_times(rng, p.rate, p), strict=False):
         prompt = filler(f"{p.seed}:unique:{n}", rng.randint(p.prompt_min, p.prompt_max))
         turn = Turn(max_tokens=_output(rng, p), messages=(("user", prompt),))
         yield _single(t, f"unique-{n}", turn)
+
+
+def _trace_like(p: TraceLikeParams) -> Iterator[Arrival]:
+    rng = random.Random(f"{p.seed}:trace-like")
+    block = filler(f"{p.seed}:trace-block", p.block_tokens)
+    stop = 1.0 / p.turns_mean  # 1 + geometric turns: P(another turn) = 1 - stop
+    remaining = p.requests
+    for c, t in enumerate(_arrival_times(rng, p.rate / p.turns_mean, p)):
+        if remaining <= 0:
+            return
+        count = 1
+        while count < min(p.turns_max, remaining) and rng.random() >= stop:
+            count += 1
+        turns = []
+        for k in range(count):
+            size = _lognormal(rng, p.user_median, p.user_sigma, 1, p.user_cap)
+            user = filler(f"{p.seed}:trace:{c}:{k}", size)
+            messages = (("system", block), ("user", user)) if k == 0 else (("user", user),)
+            think = 0.0 if k == 0 else rng.expovariate(1.0 / p.think_mean_s)
+            turns.append(Turn(max_tokens=_output(rng, p), messages=messages, think_s=think))
+        remaining -= count
+        yield Arrival(arrival_s=t, group=f"conversation-{c}", turns=tuple(turns))
+
+
+def _group_prompts(p: GroupPromptsParams) -> Iterator[Arrival]:
+    rng = random.Random(f"{p.seed}:group-prompts")
+    prompts = [filler(f"{p.seed}:group:{g}", p.prompt_tokens) for g in range(p.groups)]
+    order: list[int] = []
+    for n, t in zip(range(p.requests), _arrival_times(rng, p.rate, p), strict=False):
+        if not order:
+            order = [g for g in range(p.groups) for _ in range(p.per_group)]
+            rng.shuffle(order)
+        g = order.pop()
+        question = filler(f"{p.seed}:group-user:{n}", rng.randint(p.user_min, p.user_max))
+        turn = Turn(max_tokens=_output(rng, p),
+                    messages=(("system", prompts[g]), ("user", question)))
+        yield _single(t, f"group-{g}", turn)
 
 
 def system_prompt(p: SystemPromptParams) -> Workload:
@@ -241,6 +382,24 @@ def chat(p: ChatParams) -> Workload:
     return Workload("chat", p.requests, lambda: _chat(p))
 
 
+def long_system_chat(p: LongSystemChatParams) -> Workload:
+    if not 1 <= p.turns_min <= p.turns_max:
+        raise ValueError("need 1 <= turns_min <= turns_max")
+    return Workload("long-system-chat", p.requests, lambda: _chat(p, "long-system-chat"))
+
+
+def trace_like(p: TraceLikeParams) -> Workload:
+    if p.turns_mean < 1 or p.turns_max < 1 or not 1 <= p.user_median <= p.user_cap:
+        raise ValueError("need turns_mean >= 1, turns_max >= 1, 1 <= user_median <= user_cap")
+    return Workload("trace-like", p.requests, lambda: _trace_like(p))
+
+
+def group_prompts(p: GroupPromptsParams) -> Workload:
+    if p.groups < 1 or p.per_group < 1:
+        raise ValueError("need groups >= 1 and per_group >= 1")
+    return Workload("group-prompts", p.requests, lambda: _group_prompts(p))
+
+
 def code(p: CodeParams) -> Workload:
     return Workload("code", p.requests, lambda: _code(p))
 
@@ -258,6 +417,9 @@ WORKLOADS: Mapping[str, tuple[type[Common], Generator]] = {
     "code": (CodeParams, code),
     "unique": (UniqueParams, unique),
     "hot-prefix": (HotPrefixParams, hot_prefix),
+    "long-system-chat": (LongSystemChatParams, long_system_chat),
+    "trace-like": (TraceLikeParams, trace_like),
+    "group-prompts": (GroupPromptsParams, group_prompts),
 }
 
 
@@ -274,7 +436,9 @@ def make_params(name: str, overrides: Mapping[str, str | int | float] | None = N
             raise ValueError(f"workload {name!r} has no parameter {key!r}; "
                              f"known: {', '.join(sorted(fields))}")
         kind = type(fields[key].default)
-        values[key] = kind(raw) if isinstance(raw, str) and kind in (int, float) else raw
+        if kind in (int, float) and isinstance(raw, str | int):
+            raw = kind(raw)
+        values[key] = raw
     return cls(**values)
 
 

@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
-from collections import defaultdict
+import itertools
+import statistics
+from collections import Counter, defaultdict
 
 import orjson
 import pytest
@@ -38,15 +40,126 @@ def test_same_seed_same_bytes_other_seed_other_bytes(name: str) -> None:
     assert sum(len(a.turns) for a in first) == first.num_requests == 300
 
 
+CONVERSATIONS = {"chat", "long-system-chat", "trace-like"}
+"""Workloads whose arrivals are conversations (their later turns follow the answers)."""
+
+
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
-def test_poisson_arrivals_at_the_rate(name: str) -> None:
+def test_arrivals_at_the_rate(name: str) -> None:
     workload = generate(name, {"requests": 2000, "rate": 5.0})
     times = [a.arrival_s for a in workload]
     assert times == sorted(times) and times[0] > 0
     requests_per_s = workload.num_requests / times[-1]
-    # chat: arrivals are conversations, their turns follow the answers
-    if name != "chat":
+    if name not in CONVERSATIONS:
         assert requests_per_s == pytest.approx(5.0, rel=0.1)
+    else:  # conversations arrive at rate / mean turns
+        assert len(times) / times[-1] == pytest.approx(5.0 * len(times) / 2000, rel=0.15)
+
+
+@pytest.mark.parametrize("name", sorted(WORKLOADS))
+def test_defaults_older_workloads_poisson_uniform_newer_heavy_tailed(name: str) -> None:
+    params = make_params(name)
+    new = name in ("long-system-chat", "trace-like", "group-prompts")
+    assert params.outputs == ("lognormal" if new else "uniform")
+    assert params.arrivals == ("gamma" if name == "trace-like" else "poisson")
+
+
+def gaps(times: list[float]) -> list[float]:
+    return [b - a for a, b in itertools.pairwise([0.0, *times])]
+
+
+def dispersion(times: list[float], window: float) -> float:
+    """Variance over mean of the arrivals counted in consecutive windows."""
+    counts = Counter(int(t // window) for t in times)
+    series = [counts.get(k, 0) for k in range(int(times[-1] // window))]
+    return statistics.pvariance(series) / statistics.fmean(series)
+
+
+@pytest.mark.parametrize(
+    ("arrivals", "burstiness", "cv", "dispersion_range"),
+    [
+        ("poisson", 3.0, 1.0, (0.7, 1.4)),  # burstiness is ignored by Poisson
+        ("gamma", 1.0, 1.0, (0.7, 1.4)),  # CV 1: as Poisson
+        ("gamma", 2.0, 2.0, (2.5, 6.0)),  # counts vary ~4x as much
+        ("gamma", 3.0, 3.0, (5.0, 14.0)),
+    ],
+)
+def test_burstiness_is_the_gaps_variation_and_clumps_the_counts(
+    arrivals: str, burstiness: float, cv: float, dispersion_range: tuple[float, float]
+) -> None:
+    rate = 10.0
+    workload = generate("unique", {"requests": 8000, "rate": rate, "arrivals": arrivals,
+                                   "burstiness": burstiness, "prompt_min": 1, "prompt_max": 1})
+    times = [a.arrival_s for a in workload]
+    g = gaps(times)
+    assert statistics.fmean(g) == pytest.approx(1 / rate, rel=0.1)
+    assert statistics.pstdev(g) / statistics.fmean(g) == pytest.approx(cv, rel=0.15)
+    low, high = dispersion_range
+    assert low < dispersion(times, window=20 / rate) < high
+
+
+@pytest.mark.parametrize(
+    ("overrides", "median", "low", "high", "tail_over_median"),
+    [
+        ({"outputs": "uniform", "output_min": 64, "output_max": 256}, 160, 64, 256, (1.0, 1.7)),
+        ({"outputs": "lognormal"}, 256, 64, 4096, (7.0, 13.0)),  # p99 ~ e^2.33 x median
+        ({"outputs": "lognormal", "output_sigma": 0.0}, 256, 256, 256, (1.0, 1.0)),
+        ({"outputs": "lognormal", "output_median": 300, "output_cap": 1000, "output_min": 1},
+         300, 1, 1000, (3.0, 3.4)),  # the tail is capped at 1000
+    ],
+)
+def test_output_lengths(
+    overrides: dict[str, object], median: int, low: int, high: int,
+    tail_over_median: tuple[float, float],
+) -> None:
+    workload = generate("system-prompt", {"requests": 4000, **overrides})  # type: ignore[dict-item]
+    outputs = sorted(a.turns[0].max_tokens for a in workload)
+    assert low <= outputs[0] and outputs[-1] <= high
+    assert statistics.median(outputs) == pytest.approx(median, rel=0.08)
+    p99 = outputs[int(0.99 * len(outputs))]
+    assert tail_over_median[0] <= p99 / statistics.median(outputs) <= tail_over_median[1]
+
+
+def test_long_system_chat_shares_one_long_system_prompt_over_six_turn_conversations() -> None:
+    conversations = list(generate("long-system-chat"))
+    assert len(conversations) == 600
+    assert {len(c.turns) for c in conversations} == {6}
+    systems = {c.turns[0].messages[0] for c in conversations}
+    assert len(systems) == 1
+    role, text = systems.pop()
+    assert role == "system" and len(text) // 4 == pytest.approx(1800, abs=10)
+    firsts = {c.turns[0].messages[1][1] for c in conversations}
+    assert len(firsts) == 600  # the conversations differ after it
+
+
+def test_trace_like_one_block_then_diverging_heavy_tailed_conversations() -> None:
+    conversations = list(generate("trace-like"))
+    block = conversations[0].turns[0].messages[0][1]
+    assert len(block) == 2048  # 512 tokens of 4 bytes
+    assert all(c.turns[0].messages[0] == ("system", block) for c in conversations)
+    heads = [request_body(c.turns[0], model=MODEL) for c in conversations]
+    shared = heads[0].index(block.encode()) + len(block)
+    assert all(h[:shared] == heads[0][:shared] for h in heads)
+    assert len({h[shared:shared + 64] for h in heads}) == len(heads)
+    turns = Counter(len(c.turns) for c in conversations)
+    assert turns[1] > 0.3 * len(conversations) and max(turns) >= 8  # most short, a few long
+    users = sorted(len(t.messages[-1][1]) // 4 for c in conversations for t in c.turns)
+    median = statistics.median(users)
+    assert median == pytest.approx(1000, rel=0.1)
+    assert users[int(0.99 * len(users))] > 5 * median
+
+
+def test_group_prompts_every_group_sixteen_times_with_its_own_prompt() -> None:
+    arrivals = list(generate("group-prompts"))
+    groups = Counter(a.group for a in arrivals)
+    assert len(groups) == 128 and set(groups.values()) == {16}
+    prompts: dict[str, set[str]] = defaultdict(set)
+    for a in arrivals:
+        prompts[a.group].add(a.turns[0].messages[0][1])
+    assert all(len(p) == 1 for p in prompts.values())
+    texts = [next(iter(p)) for p in prompts.values()]
+    assert {len(t) for t in texts} == {4096 * 4} and len({t[:32] for t in texts}) == 128
+    assert len({a.turns[0].messages[1][1] for a in arrivals}) == len(arrivals)
 
 
 @pytest.mark.parametrize("name", ["system-prompt", "rag", "code", "hot-prefix", "chat"])
@@ -126,3 +239,9 @@ def test_parameters_are_checked_and_converted() -> None:
         make_params("nope")
     with pytest.raises(ValueError):
         make_params("rag", {"requests": 0})
+    with pytest.raises(ValueError, match="outputs must be one of"):
+        make_params("rag", {"outputs": "pareto"})
+    with pytest.raises(ValueError, match="outputs must be one of"):
+        make_params("chat", {"arrivals": "hawkes"})
+    with pytest.raises(ValueError, match="output_median"):
+        make_params("chat", {"output_median": 10_000})
