@@ -4,7 +4,9 @@ Nothing here re-implements routing or the instance model. Each request's body is
 :func:`~bench.spec.request_body` (the live driver's bytes), then:
 
 * routed as the live stack routes it: ``round-robin`` / ``least-request`` as Envoy's
-  load balancers do (least-request: the fewer in-flight of two random hosts); ``prefix``
+  load balancers do (least-request: the fewer in-flight of two random hosts);
+  ``cache-aware`` as SGLang's model gateway would (:mod:`bench.cache_aware`, over each
+  instance's requests in flight); ``prefix``
   and ``prefix-spill`` through ext_proc's code: :func:`prefix_router.core.key.extract_key`
   and the one decision function over an
   :class:`~prefix_router.state.routing.memory.InProcessStore` on the virtual clock (the
@@ -42,6 +44,7 @@ from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 
 from bench.bounds import BoundsTracker
+from bench.cache_aware import CacheAwareRouter, routing_text
 from bench.policies import Policy
 from bench.results import InstanceStats, RequestRecord, RunResult
 from bench.spec import PATHS, Arrival, Message, Workload, request_body
@@ -180,6 +183,7 @@ class Simulation:
         """The routing state ext_proc would keep (index, prefill queues), on the virtual clock."""
         self._next_scrape = 0.0
         self._prefill_end = 0.0
+        self._cache_aware = CacheAwareRouter()
 
     # -- fleet --------------------------------------------------------------------------
 
@@ -196,6 +200,7 @@ class Simulation:
         for engine in self._rng.sample(self._active, count):
             self._active.remove(engine)
             engine.gone_s = now
+            self._cache_aware.tree.forget(engine.instance.id)
         self._rebuild()
 
     def _rebuild(self) -> None:
@@ -215,6 +220,9 @@ class Simulation:
         if policy is Policy.LEAST_REQUEST:
             a, b = (active[self._rng.randrange(len(active))] for _ in range(2))
             return b if b.in_flight < a.in_flight else a
+        if policy is Policy.CACHE_AWARE:
+            loads = {e.instance.id: e.in_flight for e in active}
+            return self._engines[self._cache_aware.pick(routing_text(body), loads, self.now)]
         table = self._table
         assert table is not None
         if self.now >= self._next_scrape:

@@ -90,6 +90,8 @@ def policy_stack(
     policy: Policy, urls: Sequence[str], settings: LiveSettings, run_dir: Path
 ) -> Iterator[str]:
     """Start the router for ``policy`` in front of ``urls``; yields the data-plane URL."""
+    if policy.simulated_only:
+        raise ValueError(f"policy {policy.value!r} runs in the simulation only (bench des)")
     config = policy.router_config(settings.router)
     if policy.uses_router:
         config_file = run_dir / "routing.yaml"

@@ -9,9 +9,12 @@ policy             Envoy ``lb_policy``  ext_proc  router config
 ``prefix-spill``   RING_HASH            on        the defaults: longest prefix, least work
 ``prefix-fixed``   RING_HASH            on        the defaults with a fixed 1 KiB key
                                                   (``prefix_match: fixed``, PrefixLength 1024)
+``cache-aware``    (simulation only)    off       SGLang model gateway's ``cache_aware`` policy
+                                                  with its defaults (:mod:`bench.cache_aware`)
 =================  ===================  ========  ===============================================
 
-``all`` means the first four; ``prefix-fixed`` is asked for by name. The live driver runs
+``all`` means the first four; ``prefix-fixed`` and ``cache-aware`` are asked for by name
+(``cache-aware`` is a comparator, not something this stack can run live). The live driver runs
 each through the same Envoy, bootstrap and simulated instances (:mod:`bench.live`); the
 discrete-event simulation routes with the same code in virtual time (:mod:`bench.des`).
 """
@@ -30,6 +33,12 @@ class Policy(StrEnum):
     PREFIX = "prefix"
     PREFIX_SPILL = "prefix-spill"
     PREFIX_FIXED = "prefix-fixed"
+    CACHE_AWARE = "cache-aware"
+
+    @property
+    def simulated_only(self) -> bool:
+        """True for a comparator that only the discrete-event simulation routes with."""
+        return self is Policy.CACHE_AWARE
 
     @property
     def envoy_lb_policy(self) -> str:
@@ -41,7 +50,7 @@ class Policy(StrEnum):
     @property
     def uses_router(self) -> bool:
         """True when ext_proc computes a prefix key and Envoy hashes it."""
-        return self.envoy_lb_policy == "RING_HASH"
+        return self.envoy_lb_policy == "RING_HASH" and not self.simulated_only
 
     def router_config(self, base: RouterConfig) -> RouterConfig:
         """``base`` with this policy's changes (see the module docstring)."""
