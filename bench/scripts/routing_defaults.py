@@ -328,6 +328,9 @@ def report(out: Path) -> Path:
                                              for g, ok, fig in checks]}
     lines += ["", "## Goals of issue 23 item 4 (product defaults)", "",
               "| workload | goal | verdict | figures |", "|---|---|---|---|", *verdicts, ""]
+    notes = out / "notes.md"
+    if notes.exists():  # findings written by hand: why a goal fails, measured
+        lines += [notes.read_text()]
     out.mkdir(parents=True, exist_ok=True)
     (out / "summary.json").write_text(json.dumps(summary, indent=1) + "\n")
     path = out / "report.md"
