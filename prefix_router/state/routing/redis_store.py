@@ -188,6 +188,9 @@ class RedisStore:
             self._wake.clear()
             waiting, self._waiting = self._waiting, []
             args, self._next = self._next, SyncArgs()
+            if self._write_timer is not None:  # what it would send goes now
+                self._write_timer.cancel()
+                self._write_timer = None
             if not waiting and not args and not self._in_doubt:
                 continue
             table = waiting[-1].table if waiting else None
