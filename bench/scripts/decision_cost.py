@@ -1,0 +1,265 @@
+"""What one routing decision costs ext_proc, this checkout against another (``--baseline``).
+
+For 1 KB and 16 KB OpenAI chat bodies (the same system prompt, a user message that differs
+per request) it runs the path ext_proc runs per request: key, decision, reservation and
+release (``RequestRouter.route`` then ``finish``), on in-process state and with the fleet's
+state in Redis, and reports:
+
+* decision latency p50/p99 (us), one request at a time;
+* CPU per request (us of process CPU time over the same requests: what a replica pays,
+  whatever else the machine runs), one at a time and with 16 concurrent requests (which
+  share round trips, as under load);
+* with ``--callgrind``, instructions per request (valgrind's callgrind, the difference
+  between two runs of different lengths, so start-up cancels): the figure that does not
+  move with the machine's load.
+
+Each (checkout, store, body) runs in a child process of its own, whose ``prefix_router``
+is imported from that checkout (``PYTHONPATH``, as ``data_plane_latency.py --baseline``
+does), so both run on this interpreter and its libraries. The rounds alternate between
+the checkouts and the median round is kept, so a busy moment on the machine hits both.
+
+    python bench/scripts/decision_cost.py [--baseline DIR] [--redis-url URL] [--n 3000]
+        [--rounds 3] [--callgrind] [--out bench/results/decision_cost.md]
+
+``DIR`` is a checkout of the old router (``git worktree add /work/wt-old-cost e67dc7e``).
+8 instances; every count taken is given back and the child's namespace deleted.
+"""
+
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import re
+import statistics
+import subprocess
+import sys
+import tempfile
+import time
+import uuid
+from pathlib import Path
+
+PATH = "/v1/chat/completions"
+SIZES = (1024, 16384)
+CONCURRENT = 16
+WARMUP = 300
+
+
+def _bodies(template: bytes, n: int) -> list[bytes]:
+    """``n`` bodies that share everything up to the user message, which differs."""
+    head, _, tail = template.rpartition(b'"hello"')
+    return [head + b'"hello %08d"' % i + tail for i in range(n)]
+
+
+async def _child(args: argparse.Namespace) -> dict[str, float]:
+    """One measurement in this process, on whatever ``prefix_router`` is importable."""
+    import uvloop  # noqa: F401 - ext_proc's loop; imported here to fail early
+
+    from ext_proc.router import RequestRouter
+    from prefix_router.core.config import RouterConfig
+    from prefix_router.core.fleet import Fleet, Instance
+    from prefix_router.core.table import RoutingTable
+
+    try:  # this checkout's names, then the old router's
+        from prefix_router.state.routing import InProcessStore as Memory
+        from prefix_router.state.routing.redis_store import RedisStore as Shared
+    except ImportError:
+        from prefix_router.state.loads import InMemoryLoadStore as Memory  # type: ignore
+        from prefix_router.state.loads.redis_store import (  # type: ignore
+            RedisLoadStore as Shared,
+        )
+
+    table = RoutingTable.build(
+        Fleet.of([Instance("10.0.0.1", 8000 + i) for i in range(8)]), RouterConfig()
+    )
+    bodies = _bodies(Path(args.body).read_bytes(), WARMUP + args.n)
+    namespace = f"bench-cost-{uuid.uuid4().hex[:8]}:"
+    store = (
+        Memory()
+        if args.store == "memory"
+        else await Shared.connect(args.redis_url, namespace=namespace, timeout_s=args.timeout_s)
+    )
+    router = RequestRouter(table, store)
+    degraded = 0
+
+    async def one(body: bytes) -> float:
+        nonlocal degraded
+        started = time.perf_counter()
+        result = await router.route(body, path=PATH, tenant="t")
+        took = time.perf_counter() - started
+        router.finish(result)
+        degraded += result.decision.outcome == "ring_only"
+        return took
+
+    async def worker(bodies: list[bytes]) -> None:
+        for body in bodies:
+            await one(body)
+
+    try:
+        for body in bodies[:WARMUP]:
+            await one(body)
+        await asyncio.sleep(0.01)
+        measured = bodies[WARMUP:]
+        out: dict[str, float] = {}
+        if args.concurrency == 1:
+            cpu = time.process_time()
+            samples = [await one(body) for body in measured]
+            out["cpu_us"] = (time.process_time() - cpu) / len(measured) * 1e6
+            samples.sort()
+            out["p50_us"] = statistics.median(samples) * 1e6
+            out["p99_us"] = samples[int(0.99 * (len(samples) - 1))] * 1e6
+        else:
+            cpu = time.process_time()
+            c = args.concurrency
+            await asyncio.gather(*(worker(measured[i::c]) for i in range(c)))
+            out["cpu_us"] = (time.process_time() - cpu) / len(measured) * 1e6
+        out["degraded"] = degraded
+        return out
+    finally:
+        await store.close()
+        if args.store == "redis":
+            import redis.asyncio as aioredis
+
+            cleaner = aioredis.Redis.from_url(args.redis_url)
+            keys = [k async for k in cleaner.scan_iter(match=f"{namespace}*")]
+            if keys:
+                await cleaner.delete(*keys)
+            await cleaner.aclose()
+
+
+def _run_child(tree: Path, extra: list[str], *, callgrind: Path | None = None) -> dict[str, float]:
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    cmd = [sys.executable, __file__, "--child", *extra]
+    if callgrind is not None:
+        cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind}", *cmd]
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    if done.returncode != 0:
+        sys.exit(f"child {cmd} failed:\n{done.stderr[-3000:]}")
+    return json.loads(done.stdout.strip().splitlines()[-1])
+
+
+def _instructions(tree: Path, extra: list[str], n: int) -> float:
+    """Instructions per request under callgrind: two runs of ``n`` and ``2n`` requests."""
+    counts = []
+    for runs in (n, 2 * n):
+        with tempfile.TemporaryDirectory() as tmp:
+            out = Path(tmp) / "callgrind.out"
+            _run_child(tree, [*extra, "--n", str(runs), "--timeout-s", "2"], callgrind=out)
+            summary = re.search(r"^summary:\s+(\d+)", out.read_text(), re.M)
+            assert summary is not None, "callgrind wrote no summary"
+            counts.append(int(summary.group(1)))
+    return (counts[1] - counts[0]) / n
+
+
+def main() -> None:
+    parser = argparse.ArgumentParser(description=__doc__)
+    parser.add_argument("--baseline", help="a checkout of the router to compare with")
+    parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
+    parser.add_argument("--n", type=int, default=3000)
+    parser.add_argument("--rounds", type=int, default=3)
+    parser.add_argument("--callgrind", action="store_true", help="also count instructions")
+    parser.add_argument("--callgrind-n", type=int, default=300)
+    parser.add_argument("--out", type=Path)
+    parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
+    parser.add_argument("--store", choices=("memory", "redis"), default="redis")
+    parser.add_argument("--body", help=argparse.SUPPRESS)
+    parser.add_argument("--concurrency", type=int, default=1, help=argparse.SUPPRESS)
+    parser.add_argument("--timeout-s", type=float, default=0.1, help=argparse.SUPPRESS)
+    args = parser.parse_args()
+    if args.child:
+        import uvloop
+
+        print(json.dumps(uvloop.run(_child(args))))
+        return
+
+    from bench.scripts._harness import ROOT, chat_body
+
+    here = ROOT
+    trees = {"new": here}
+    if args.baseline:
+        trees = {"old": Path(args.baseline).resolve(), **trees}
+    out_path = args.out or ROOT / "bench" / "results" / "decision_cost.md"
+    rows: dict[tuple[str, str, int], dict[str, float]] = {}
+    with tempfile.TemporaryDirectory() as tmp:
+        bodies = {}
+        for size in SIZES:
+            bodies[size] = Path(tmp) / f"body-{size}.json"
+            bodies[size].write_bytes(chat_body(size))
+        runs: dict[tuple[str, str, int], list[dict[str, float]]] = {}
+        for _ in range(args.rounds):
+            for size in SIZES:
+                for store in ("memory", "redis"):
+                    for name, tree in trees.items():
+                        common = ["--store", store, "--body", str(bodies[size])]
+                        common += ["--redis-url", args.redis_url]
+                        seq = _run_child(tree, [*common, "--n", str(args.n)])
+                        conc = _run_child(
+                            tree, [*common, "--n", str(args.n), "--concurrency", str(CONCURRENT)]
+                        )
+                        seq["cpu16_us"] = conc["cpu_us"]
+                        seq["degraded"] += conc["degraded"]
+                        runs.setdefault((name, store, size), []).append(seq)
+        for k, results in runs.items():
+            rows[k] = {
+                field: statistics.median(r[field] for r in results) for field in results[0]
+            }
+        if args.callgrind:
+            for size in SIZES:
+                for store in ("memory", "redis"):
+                    for name, tree in trees.items():
+                        common = ["--store", store, "--body", str(bodies[size])]
+                        common += ["--redis-url", args.redis_url]
+                        rows[(name, store, size)]["ir"] = _instructions(
+                            tree, common, args.callgrind_n
+                        )
+    lines = _table(rows, trees, args)
+    print("\n".join(lines))
+    out_path.write_text("\n".join(lines) + "\n")
+
+
+def _table(
+    rows: dict[tuple[str, str, int], dict[str, float]],
+    trees: dict[str, Path],
+    args: argparse.Namespace,
+) -> list[str]:
+    cg = "ir" in next(iter(rows.values()))
+    head = "| checkout | state | body | p50 us | p99 us | CPU us/req | CPU us/req, 16 concurrent |"
+    head += " instructions/req |" if cg else ""
+    lines = [
+        "# What one routing decision costs ext_proc",
+        "",
+        f"`python bench/scripts/decision_cost.py {' '.join(sys.argv[1:])}`",
+        "",
+        f"{args.n} requests per run (after {WARMUP} to warm up), median of {args.rounds} "
+        "rounds; 8 instances; Redis on "
+        f"{args.redis_url}; bodies share their system prompt, their user message differs.",
+        "",
+        head,
+        "|---|---|---|---|---|---|---|" + ("---|" if cg else ""),
+    ]
+    for (name, store, size), r in sorted(rows.items(), key=lambda kv: (kv[0][2], kv[0][1])):
+        line = (
+            f"| {name} | {store} | {size // 1024} KB | {r['p50_us']:.0f} | {r['p99_us']:.0f} "
+            f"| {r['cpu_us']:.0f} | {r['cpu16_us']:.0f} |"
+        )
+        line += f" {r['ir'] / 1000:.0f}K |" if cg else ""
+        lines.append(line + (f" ({r['degraded']:.0f} degraded)" if r["degraded"] else ""))
+    if "old" in trees:
+        lines += ["", "new / old:", ""]
+        for size in SIZES:
+            for store in ("memory", "redis"):
+                old, new = rows[("old", store, size)], rows[("new", store, size)]
+                text = (
+                    f"- {store}, {size // 1024} KB: p50 {new['p50_us'] - old['p50_us']:+.0f} us,"
+                    f" CPU {new['cpu_us'] / old['cpu_us']:.2f}x"
+                    f" (16 concurrent {new['cpu16_us'] / old['cpu16_us']:.2f}x)"
+                )
+                if cg:
+                    text += f", instructions {new['ir'] / old['ir']:.2f}x"
+                lines.append(text)
+    return lines
+
+
+if __name__ == "__main__":
+    main()
