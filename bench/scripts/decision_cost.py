@@ -136,7 +136,8 @@ def _run_child(tree: Path, extra: list[str], *, callgrind: Path | None = None) -
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
     if done.returncode != 0:
         sys.exit(f"child {cmd} failed:\n{done.stderr[-3000:]}")
-    return json.loads(done.stdout.strip().splitlines()[-1])
+    measured: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return measured
 
 
 def _instructions(tree: Path, extra: list[str], n: int) -> float:
@@ -201,9 +202,7 @@ def main() -> None:
                         seq["degraded"] += conc["degraded"]
                         runs.setdefault((name, store, size), []).append(seq)
         for k, results in runs.items():
-            rows[k] = {
-                field: statistics.median(r[field] for r in results) for field in results[0]
-            }
+            rows[k] = {field: statistics.median(r[field] for r in results) for field in results[0]}
         if args.callgrind:
             for size in SIZES:
                 for store in ("memory", "redis"):

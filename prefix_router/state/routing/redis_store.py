@@ -49,8 +49,6 @@ from redis.exceptions import RedisError
 
 from prefix_router.core.decision import Decision, Load, Outcome
 from prefix_router.core.index import (
-    ENTRY_BYTES,
-    SLOT_BYTES,
     CacheModel,
     apply,
     locate,
@@ -59,7 +57,13 @@ from prefix_router.core.key import PrefixKey
 from prefix_router.core.table import RoutingTable
 from prefix_router.core.work import InstanceModel, InstanceWork, admit
 from prefix_router.state.routing.base import Routed, StateUnavailable
-from prefix_router.state.routing.redis_lua import REAP, REWRITE_SHARE, SYNC, SyncArgs
+from prefix_router.state.routing.redis_lua import (
+    REAP,
+    REWRITE_SHARE,
+    SYNC,
+    SyncArgs,
+    unpack_reply,
+)
 
 log = logging.getLogger("prefix_router.state.routing")
 
@@ -102,6 +106,7 @@ class RedisStore:
         self.replicas_key = f"{namespace}replicas"
         self.alive_key = f"{namespace}alive:{self.replica}"
         self.models_key = f"{namespace}models"
+        self._ends_prefix = f"{namespace}ends:"
         self._sync = client.register_script(SYNC)
         self._rewrite = client.register_script(REWRITE_SHARE)
         self._reap = client.register_script(REAP)
@@ -211,7 +216,7 @@ class RedisStore:
                         self._last_keys = self.keys_for(table)
                     if args and self._last_keys:
                         keys = self._last_keys
-                        packed = args.pack(f"{self.namespace}ends:", ENTRY_BYTES, SLOT_BYTES)
+                        packed: list[str | bytes] = [self._ends_prefix, args.pack()]
                         reply = await self._sync(keys=keys, args=packed)
             except Exception as exc:  # noqa: BLE001 - the flusher must outlive any failure
                 if not isinstance(exc, RedisError | OSError | TimeoutError):
@@ -239,7 +244,7 @@ class RedisStore:
         self._wake.set()
 
     def _decide(
-        self, waiting: list[_Waiting], table: RoutingTable, args: SyncArgs, reply: list[bytes]
+        self, waiting: list[_Waiting], table: RoutingTable, args: SyncArgs, reply: bytes
     ) -> None:
         view = _BatchView(table, args, reply, self._learned)
         for w in waiting:
@@ -335,15 +340,15 @@ class _BatchView:
         self,
         table: RoutingTable,
         args: SyncArgs,
-        reply: list[bytes],
+        reply: bytes,
         learned: dict[str, InstanceModel],
     ) -> None:
-        self.now = float(reply[0])
+        now, instances, slots = unpack_reply(reply, len(args.instances))
+        self.now = float(now)
         self._table = table
         self._work: list[InstanceWork] = []
         self._in_flight: list[int] = []
-        for raw in reply[1 : 1 + len(args.instances)]:
-            busy, written, in_flight, *ends = raw.split()
+        for busy, written, in_flight, ends in instances:
             self._work.append(InstanceWork(float(busy), tuple(map(float, ends)), float(written)))
             self._in_flight.append(max(0, int(in_flight)))
         default = table.default_model
@@ -357,7 +362,7 @@ class _BatchView:
             for i in args.instances
         ]
         self._total = sum(self._in_flight)
-        self._slots = dict(zip(args.slots, reply[1 + len(args.instances) :], strict=True))
+        self._slots = dict(zip(args.slots, slots, strict=True))
 
     def slot(self, slot: int) -> bytes:
         return self._slots[slot]
