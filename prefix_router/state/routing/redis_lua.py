@@ -130,8 +130,7 @@ for _, admit in ipairs(a[6]) do
   redis.call('HSET', KEYS[6], id .. ':busy', tostring(done))
   redis.call('HINCRBYFLOAT', KEYS[6], id .. ':written', written)
   local ends = ends_prefix .. id
-  redis.call('RPUSH', ends, tostring(done))
-  redis.call('LTRIM', ends, -keep, -1)
+  if redis.call('RPUSH', ends, tostring(done)) > keep then redis.call('LTRIM', ends, -keep, -1) end
   counted[outcome] = (counted[outcome] or 0) + 1
   if outcome == 'spilled' then
     redis.call('LPUSH', KEYS[4], cjson.encode({
@@ -148,19 +147,28 @@ for _, w in ipairs(a[7]) do  -- EntryWrite: slot, way, expected, new
   if current == expected then redis.call('SETRANGE', KEYS[5], offset, new) end
 end
 -- reads: each instance's queue and counts, then the index slots asked for
+-- (one HMGET per hash for all the instances: a redis.call costs more than its work here)
 local out = {tonumber(tostring(now))}  -- as a string would carry it: 14 digits
-for _, id in ipairs(a[8]) do
-  local ends = ends_prefix .. id
-  local kept = {}
-  for _, e in ipairs(redis.call('LRANGE', ends, 0, -1)) do
-    local v = tonumber(e)
-    if v > now then kept[#kept + 1] = v end
+local ids = a[8]
+if #ids > 0 then
+  local fields = {}
+  for i, id in ipairs(ids) do
+    fields[2 * i - 1], fields[2 * i] = id .. ':busy', id .. ':written'
   end
-  local all = redis.call('LLEN', ends)
-  if #kept < all then redis.call('LTRIM', ends, all - #kept, -1) end
-  local work = redis.call('HMGET', KEYS[6], id .. ':busy', id .. ':written')
-  out[#out + 1] = {tonumber(work[1]) or 0, tonumber(work[2]) or 0,
-    tonumber(redis.call('HGET', KEYS[1], id)) or 0, kept}
+  local work = redis.call('HMGET', KEYS[6], unpack(fields))
+  local counts = redis.call('HMGET', KEYS[1], unpack(ids))
+  for i, id in ipairs(ids) do
+    local ends = ends_prefix .. id
+    local all = redis.call('LRANGE', ends, 0, -1)
+    local kept = {}
+    for _, e in ipairs(all) do
+      local v = tonumber(e)
+      if v > now then kept[#kept + 1] = v end
+    end
+    if #kept < #all then redis.call('LTRIM', ends, #all - #kept, -1) end
+    out[#out + 1] = {tonumber(work[2 * i - 1]) or 0, tonumber(work[2 * i]) or 0,
+      tonumber(counts[i]) or 0, kept}
+  end
 end
 for _, slot in ipairs(a[9]) do
   local offset = slot * slot_bytes
