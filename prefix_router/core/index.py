@@ -167,13 +167,13 @@ def record(
     the one whose cache turned over most since its stamp.
     """
     v = _SLOT.unpack(slot)
-    new = _ENTRY.pack(tag, fp, model.stamp)
     for way, w in enumerate(_WAY_STARTS):
         if v[w] == tag and v[w + 1] == fp:
             stamp = v[w + 2]
             if stamp == model.stamp or (not force and model.turnover(stamp) < REFRESH_FRACTION):
                 return None
             start = way * ENTRY_BYTES
+            new = _ENTRY.pack(tag, fp, model.stamp)
             return EntryWrite(slot_index, way, slot[start : start + ENTRY_BYTES], new)
     victim, worst = 0, -1.0
     for way, w in enumerate(_WAY_STARTS):
@@ -186,6 +186,7 @@ def record(
         if staleness > worst:
             victim, worst = way, staleness
     start = victim * ENTRY_BYTES
+    new = _ENTRY.pack(tag, fp, model.stamp)
     return EntryWrite(slot_index, victim, slot[start : start + ENTRY_BYTES], new)
 
 

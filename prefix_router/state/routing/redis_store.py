@@ -120,10 +120,13 @@ class RedisStore:
         self._in_doubt = False
         self._tasks: list[asyncio.Task[None]] = []
         self._last_keys: list[str] = []
+        """KEYS of the last table's round trip, for one that carries only writes."""
         self._write_timer: asyncio.TimerHandle | None = None
         self._learned: dict[str, InstanceModel] = {}
         """The instance models the control plane learned, re-read with every heartbeat."""
-        """KEYS of the last table's round trip, for one that carries only writes."""
+        self._models: tuple[RoutingTable | None, dict[str, InstanceModel], list[InstanceModel]]
+        self._models = (None, self._learned, [])
+        """The last table's instance models, as of the last learned models."""
 
     @classmethod
     async def connect(
@@ -246,7 +249,7 @@ class RedisStore:
     def _decide(
         self, waiting: list[_Waiting], table: RoutingTable, args: SyncArgs, reply: bytes
     ) -> None:
-        view = _BatchView(table, args, reply, self._learned)
+        view = _BatchView(table, args, reply, self._models_for(table))
         for w in waiting:
             if w.future.done():  # the caller gave up waiting and routed on its own
                 continue
@@ -276,6 +279,26 @@ class RedisStore:
             self._local[chosen] += 1
             end = view.prefill_end(decision.instance)
             w.future.set_result(Routed(decision, chosen, ring_order, end))
+
+    def _models_for(self, table: RoutingTable) -> list[InstanceModel]:
+        """Each of the table's instances' model: learned where the control plane learned
+        it (what it did not learn taken from the defaults), else the defaults. Kept until
+        the table or the learned models change (a heartbeat re-reads them)."""
+        cached_table, learned, models = self._models
+        if cached_table is table and learned is self._learned:
+            return models
+        default = table.default_model
+        models = [
+            InstanceModel(
+                m.prefill_tokens_per_s or default.prefill_tokens_per_s,
+                m.kv_cache_tokens or default.kv_cache_tokens,
+            )
+            if (m := self._learned.get(i))
+            else default
+            for i in table.ids
+        ]
+        self._models = (table, self._learned, models)
+        return models
 
     async def _heartbeat(self) -> None:
         while not self._closing:
@@ -334,35 +357,33 @@ class _BatchView:
     """What one round trip read, as the batch's decisions see it: each decision's writes
     are applied here too, so the next request of the batch sees them."""
 
-    __slots__ = ("now", "_table", "_slots", "_work", "_in_flight", "_models", "_total")
+    __slots__ = ("now", "_table", "_slots", "_read", "_works", "_in_flight", "_models", "_total")
 
     def __init__(
         self,
         table: RoutingTable,
         args: SyncArgs,
         reply: bytes,
-        learned: dict[str, InstanceModel],
+        models: list[InstanceModel],
     ) -> None:
-        now, instances, slots = unpack_reply(reply, len(args.instances))
+        now, self._read, slots = unpack_reply(reply, len(args.instances))
         self.now = float(now)
         self._table = table
-        self._work: list[InstanceWork] = []
-        self._in_flight: list[int] = []
-        for busy, written, in_flight, ends in instances:
-            self._work.append(InstanceWork(float(busy), tuple(map(float, ends)), float(written)))
-            self._in_flight.append(max(0, int(in_flight)))
-        default = table.default_model
-        self._models = [
-            InstanceModel(
-                m.prefill_tokens_per_s or default.prefill_tokens_per_s,
-                m.kv_cache_tokens or default.kv_cache_tokens,
-            )
-            if (m := learned.get(i))
-            else default
-            for i in args.instances
-        ]
+        self._works: list[InstanceWork | None] = [None] * len(self._read)
+        """Each instance's queue, parsed when a decision first asks (a handful of a fleet's
+        instances are a request's candidates or hold its blocks)."""
+        self._in_flight = [max(0, int(r[2])) for r in self._read]
+        self._models = models
         self._total = sum(self._in_flight)
         self._slots = dict(zip(args.slots, slots, strict=True))
+
+    def _work(self, instance: int) -> InstanceWork:
+        work = self._works[instance]
+        if work is None:
+            busy, written, _, ends = self._read[instance]
+            work = InstanceWork(float(busy), tuple(map(float, ends)), float(written))
+            self._works[instance] = work
+        return work
 
     def slot(self, slot: int) -> bytes:
         return self._slots[slot]
@@ -371,7 +392,7 @@ class _BatchView:
         return self._models[instance]
 
     def load(self, instance: int) -> Load:
-        work, now = self._work[instance], self.now
+        work, now = self._work(instance), self.now
         return (
             work.backlog_s(now),
             work.waiting(now),
@@ -384,22 +405,22 @@ class _BatchView:
 
     def prefill_end(self, instance: int) -> float:
         """The instance's modelled prefill end, as of the last decision recorded here."""
-        return self._work[instance].busy_until
+        return self._work(instance).busy_until
 
     def cache_model(self, tag: int) -> CacheModel | None:
         instance = self._table.instance_of_tag.get(tag)
         if instance is None:
             return None
         return CacheModel.of(
-            self._work[instance].written_tokens, self._models[instance].kv_cache_tokens
+            self._work(instance).written_tokens, self._models[instance].kv_cache_tokens
         )
 
     def record(self, decision: Decision, rate: float, keep: int) -> None:
         for write in decision.index_writes:
             self._slots[write.slot] = apply(self._slots[write.slot], write)
         i = decision.instance
-        self._work[i] = admit(
-            self._work[i],
+        self._works[i] = admit(
+            self._work(i),
             self.now,
             prefill_tokens=decision.prefill_tokens,
             written_tokens=decision.written_tokens,
