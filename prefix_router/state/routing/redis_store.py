@@ -121,6 +121,8 @@ class RedisStore:
         self._tasks: list[asyncio.Task[None]] = []
         self._last_keys: list[str] = []
         """KEYS of the last table's round trip, for one that carries only writes."""
+        self._last_slots_log2 = -1
+        """The index size ``_last_keys`` name (the only part of them a table changes)."""
         self._write_timer: asyncio.TimerHandle | None = None
         self._learned: dict[str, InstanceModel] = {}
         """The instance models the control plane learned, re-read with every heartbeat."""
@@ -215,8 +217,9 @@ class RedisStore:
                         self._in_doubt = False
                         args.reserves, args.releases = [], []  # the rewrite carries them
                     reply = None
-                    if table is not None:
+                    if table is not None and table.rule.slots_log2 != self._last_slots_log2:
                         self._last_keys = self.keys_for(table)
+                        self._last_slots_log2 = table.rule.slots_log2
                     if args and self._last_keys:
                         keys = self._last_keys
                         packed: list[str | bytes] = [self._ends_prefix, args.pack()]
