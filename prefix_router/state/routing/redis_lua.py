@@ -84,14 +84,19 @@ def unpack_reply(reply: bytes, instances: int) -> tuple[float, list[InstanceRead
 
 
 SYNC = """
-local ends_prefix = ARGV[1]
-local a = cmsgpack.unpack(ARGV[2])
+local a = cmsgpack.unpack(ARGV[1])
 local entry_bytes, slot_bytes, keep = a[1], a[2], a[3]
 local t = redis.call('TIME')
 local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
 local function pad(s, n)
   if #s < n then return s .. string.rep('\\0', n - #s) end
   return s
+end
+-- an instance's prefill ends: one field of the work hash, ascending, space-separated
+local function split(s)
+  local out = {}
+  if s then for e in string.gmatch(s, '%S+') do out[#out + 1] = e end end
+  return out
 end
 -- reserves, then releases (a request's release may share its reserve's round trip)
 for _, id in ipairs(a[4]) do
@@ -109,15 +114,14 @@ for _, release in ipairs(a[5]) do
   end
   if done > now then
     local early = done - now  -- the queue behind the request moves up by as much
-    local busy = tonumber(redis.call('HGET', KEYS[6], id .. ':busy')) or 0
-    redis.call('HSET', KEYS[6], id .. ':busy', tostring(math.max(now, busy - early)))
-    local ends = ends_prefix .. id
+    local work = redis.call('HMGET', KEYS[6], id .. ':busy', id .. ':ends')
+    local busy = tonumber(work[1]) or 0
     local kept = {}
-    for _, e in ipairs(redis.call('LRANGE', ends, 0, -1)) do
+    for _, e in ipairs(split(work[2])) do
       if tonumber(e) > done then kept[#kept + 1] = tostring(tonumber(e) - early) end
     end
-    redis.call('DEL', ends)
-    if #kept > 0 then redis.call('RPUSH', ends, unpack(kept)) end
+    redis.call('HSET', KEYS[6], id .. ':busy', tostring(math.max(now, busy - early)),
+      id .. ':ends', table.concat(kept, ' '))
   end
 end
 -- admits: queue the prefill after what is queued (any replica's); count the decision
@@ -125,12 +129,16 @@ local counted = {}
 for _, admit in ipairs(a[6]) do
   local id, decided_at, prefill, written, rate = admit[1], admit[2], admit[3], admit[4], admit[5]
   local outcome, home, request = admit[6], admit[7], admit[8]
-  local busy = tonumber(redis.call('HGET', KEYS[6], id .. ':busy')) or 0
+  local work = redis.call('HMGET', KEYS[6], id .. ':busy', id .. ':ends')
+  local busy = tonumber(work[1]) or 0
   local done = math.max(decided_at, busy) + prefill / rate  -- it arrived when decided
-  redis.call('HSET', KEYS[6], id .. ':busy', tostring(done))
+  local ends = split(work[2])
+  ends[#ends + 1] = tostring(done)
+  -- the last keep: those still ahead are the latest (the queue only grows at its end)
+  local first = math.max(1, #ends - keep + 1)
+  redis.call('HSET', KEYS[6], id .. ':busy', tostring(done),
+    id .. ':ends', table.concat(ends, ' ', first))
   redis.call('HINCRBYFLOAT', KEYS[6], id .. ':written', written)
-  local ends = ends_prefix .. id
-  if redis.call('RPUSH', ends, tostring(done)) > keep then redis.call('LTRIM', ends, -keep, -1) end
   counted[outcome] = (counted[outcome] or 0) + 1
   if outcome == 'spilled' then
     redis.call('LPUSH', KEYS[4], cjson.encode({
@@ -146,27 +154,26 @@ for _, w in ipairs(a[7]) do  -- EntryWrite: slot, way, expected, new
   local current = pad(redis.call('GETRANGE', KEYS[5], offset, last), entry_bytes)
   if current == expected then redis.call('SETRANGE', KEYS[5], offset, new) end
 end
--- reads: each instance's queue and counts, then the index slots asked for
--- (one HMGET per hash for all the instances: a redis.call costs more than its work here)
+-- reads: each instance's queue and counts, then the index slots asked for (one HMGET
+-- per hash for all the instances: a redis.call costs more than its work here); ends
+-- already passed are left for the instance's next write to drop
 local out = {tonumber(tostring(now))}  -- as a string would carry it: 14 digits
 local ids = a[8]
 if #ids > 0 then
   local fields = {}
   for i, id in ipairs(ids) do
-    fields[2 * i - 1], fields[2 * i] = id .. ':busy', id .. ':written'
+    fields[3 * i - 2], fields[3 * i - 1], fields[3 * i] = id .. ':busy', id .. ':written',
+      id .. ':ends'
   end
   local work = redis.call('HMGET', KEYS[6], unpack(fields))
   local counts = redis.call('HMGET', KEYS[1], unpack(ids))
-  for i, id in ipairs(ids) do
-    local ends = ends_prefix .. id
-    local all = redis.call('LRANGE', ends, 0, -1)
+  for i = 1, #ids do
     local kept = {}
-    for _, e in ipairs(all) do
+    for _, e in ipairs(split(work[3 * i])) do
       local v = tonumber(e)
       if v > now then kept[#kept + 1] = v end
     end
-    if #kept < #all then redis.call('LTRIM', ends, #all - #kept, -1) end
-    out[#out + 1] = {tonumber(work[2 * i - 1]) or 0, tonumber(work[2 * i]) or 0,
+    out[#out + 1] = {tonumber(work[3 * i - 2]) or 0, tonumber(work[3 * i - 1]) or 0,
       tonumber(counts[i]) or 0, kept}
   end
 end
@@ -176,7 +183,7 @@ for _, slot in ipairs(a[9]) do
 end
 return cmsgpack.pack(out)
 """
-"""One round trip. ARGV: the ends lists' key prefix, :meth:`SyncArgs.pack`. Returns one
+"""One round trip. ARGV: :meth:`SyncArgs.pack`. Returns one
 MessagePack blob (:func:`unpack_reply`): ``now``; per instance asked for, ``busy_until``,
 ``written_tokens``, fleet-wide in flight and its prefill ends still ahead; then each slot."""
 

@@ -11,9 +11,11 @@ Layout (``ns`` is the namespace, e.g. ``prefix-router:``):
                                     ``{time, home, to, request_id}``
 ``{ns}index:{slots_log2}``  string  the prefix index (:mod:`prefix_router.core.index`):
                                     ``32 x 2**slots_log2`` bytes at most (8 MiB at 18)
-``{ns}work``                hash    ``{id}:busy`` and ``{id}:written`` of each instance's
-                                    prefill queue (:mod:`prefix_router.core.work`)
-``{ns}ends:{id}``           list    an instance's prefill ends still ahead (256 at most)
+``{ns}work``                hash    ``{id}:busy``, ``{id}:written`` and ``{id}:ends`` of each
+                                    instance's prefill queue (:mod:`prefix_router.core.work`);
+                                    ends: its last ConcurrencyThreshold prefill ends,
+                                    space-separated (one field, not a list of its own: the
+                                    script reads every instance's queue in one HMGET)
 ``{ns}models``              hash    instance id -> ``rate capacity`` learned by the control plane
 
 One background task sends everything as one script call per round trip (:mod:`.redis_lua`):
@@ -106,7 +108,6 @@ class RedisStore:
         self.replicas_key = f"{namespace}replicas"
         self.alive_key = f"{namespace}alive:{self.replica}"
         self.models_key = f"{namespace}models"
-        self._ends_prefix = f"{namespace}ends:"
         self._sync = client.register_script(SYNC)
         self._rewrite = client.register_script(REWRITE_SHARE)
         self._reap = client.register_script(REAP)
@@ -222,8 +223,7 @@ class RedisStore:
                         self._last_slots_log2 = table.rule.slots_log2
                     if args and self._last_keys:
                         keys = self._last_keys
-                        packed: list[str | bytes] = [self._ends_prefix, args.pack()]
-                        reply = await self._sync(keys=keys, args=packed)
+                        reply = await self._sync(keys=keys, args=[args.pack()])
             except Exception as exc:  # noqa: BLE001 - the flusher must outlive any failure
                 if not isinstance(exc, RedisError | OSError | TimeoutError):
                     log.warning("routing store round trip failed unexpectedly: %r", exc)
