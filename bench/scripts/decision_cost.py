@@ -19,7 +19,7 @@ does), so both run on this interpreter and its libraries. The rounds alternate b
 the checkouts and the median round is kept, so a busy moment on the machine hits both.
 
     python bench/scripts/decision_cost.py [--baseline DIR] [--redis-url URL] [--n 3000]
-        [--rounds 3] [--callgrind] [--out bench/results/decision_cost.md]
+        [--rounds 3] [--callgrind] [--before DIR] [--out bench/results/decision_cost.md]
 
 ``DIR`` is a checkout of the old router (``git worktree add /work/wt-old-cost e67dc7e``).
 8 instances; every count taken is given back and the child's namespace deleted.
@@ -128,25 +128,47 @@ async def _child(args: argparse.Namespace) -> dict[str, float]:
             await cleaner.aclose()
 
 
-def _run_child(tree: Path, extra: list[str], *, callgrind: Path | None = None) -> dict[str, float]:
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+def _child_command(tree: Path, extra: list[str], callgrind: Path | None) -> list[str]:
     cmd = [sys.executable, __file__, "--child", *extra]
     if callgrind is not None:
         cmd = ["valgrind", "--tool=callgrind", f"--callgrind-out-file={callgrind}", *cmd]
-    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
-    if done.returncode != 0:
-        sys.exit(f"child {cmd} failed:\n{done.stderr[-3000:]}")
-    measured: dict[str, float] = json.loads(done.stdout.strip().splitlines()[-1])
+    return cmd
+
+
+def _result(cmd: list[str], returncode: int, stdout: str, stderr: str) -> dict[str, float]:
+    if returncode != 0:
+        sys.exit(f"child {cmd} failed:\n{stderr[-3000:]}")
+    measured: dict[str, float] = json.loads(stdout.strip().splitlines()[-1])
     return measured
 
 
+def _run_child(tree: Path, extra: list[str]) -> dict[str, float]:
+    cmd = _child_command(tree, extra, None)
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
+    return _result(cmd, done.returncode, done.stdout, done.stderr)
+
+
 def _instructions(tree: Path, extra: list[str], n: int) -> float:
-    """Instructions per request under callgrind: two runs of ``n`` and ``2n`` requests."""
-    counts = []
-    for runs in (n, 2 * n):
-        with tempfile.TemporaryDirectory() as tmp:
-            out = Path(tmp) / "callgrind.out"
-            _run_child(tree, [*extra, "--n", str(runs), "--timeout-s", "2"], callgrind=out)
+    """Instructions per request under callgrind: the difference between a run of ``n``
+    and one of ``2n`` requests (both at once: callgrind counts, whatever the load)."""
+    env = {**os.environ, "PYTHONPATH": str(tree)}
+    with tempfile.TemporaryDirectory() as tmp:
+        outs = [Path(tmp) / f"callgrind-{runs}.out" for runs in (n, 2 * n)]
+        cmds = [
+            _child_command(tree, [*extra, "--n", str(runs), "--timeout-s", "2"], out)
+            for runs, out in zip((n, 2 * n), outs, strict=True)
+        ]
+        procs = [
+            subprocess.Popen(
+                cmd, env=env, text=True, stdout=subprocess.PIPE, stderr=subprocess.PIPE
+            )
+            for cmd in cmds
+        ]
+        counts = []
+        for cmd, proc, out in zip(cmds, procs, outs, strict=True):
+            stdout, stderr = proc.communicate(timeout=1800)
+            _result(cmd, proc.returncode, stdout, stderr)
             summary = re.search(r"^summary:\s+(\d+)", out.read_text(), re.M)
             assert summary is not None, "callgrind wrote no summary"
             counts.append(int(summary.group(1)))
@@ -155,7 +177,8 @@ def _instructions(tree: Path, extra: list[str], n: int) -> float:
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
-    parser.add_argument("--baseline", help="a checkout of the router to compare with")
+    parser.add_argument("--baseline", help="a checkout of the router to compare with ('old')")
+    parser.add_argument("--before", help="one more checkout, e.g. before a change ('before')")
     parser.add_argument("--redis-url", default="redis://127.0.0.1:6379/0")
     parser.add_argument("--n", type=int, default=3000)
     parser.add_argument("--rounds", type=int, default=3)
@@ -178,6 +201,8 @@ def main() -> None:
 
     here = ROOT
     trees = {"new": here}
+    if args.before:
+        trees = {"before": Path(args.before).resolve(), **trees}
     if args.baseline:
         trees = {"old": Path(args.baseline).resolve(), **trees}
     out_path = args.out or ROOT / "bench" / "results" / "decision_cost.md"
@@ -244,11 +269,11 @@ def _table(
         )
         line += f" {r['ir'] / 1000:.0f}K |" if cg else ""
         lines.append(line + (f" ({r['degraded']:.0f} degraded)" if r["degraded"] else ""))
-    if "old" in trees:
-        lines += ["", "new / old:", ""]
+    for name in (n for n in trees if "old" in trees and n != "old"):
+        lines += ["", f"{name} / old:", ""]
         for size in SIZES:
             for store in ("memory", "redis"):
-                old, new = rows[("old", store, size)], rows[("new", store, size)]
+                old, new = rows[("old", store, size)], rows[(name, store, size)]
                 text = (
                     f"- {store}, {size // 1024} KB: p50 {new['p50_us'] - old['p50_us']:+.0f} us,"
                     f" CPU {new['cpu_us'] / old['cpu_us']:.2f}x"
