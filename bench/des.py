@@ -246,10 +246,11 @@ class Simulation:
                              stats.prefill_time.total))
             while len(readings) > 1 and readings[1][0] <= self.now - LEARN_WINDOW_S:
                 readings.popleft()
-            _, q0, h0, p0 = readings[0]
+            t0, q0, h0, p0 = readings[0]
             rate = learned_prefill_rate(
                 (stats.prefix_cache_queries - q0) - (stats.prefix_cache_hits - h0),
                 stats.prefill_time.total - p0,
+                self.now - t0,
             )
             if rate:
                 rates.append(rate)

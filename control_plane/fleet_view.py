@@ -94,6 +94,11 @@ class Window(Generic[T]):
     def newest(self) -> T | None:
         return self.items[-1][1] if self.items else None
 
+    @property
+    def elapsed_s(self) -> float:
+        """Seconds between the oldest and the newest reading."""
+        return self.items[-1][0] - self.items[0][0] if self.items else 0.0
+
 
 @dataclass(frozen=True, slots=True)
 class Scrape:
@@ -331,7 +336,7 @@ class FleetView:
             newest = window.newest
             if newest is None:
                 continue
-            rate = learned_rate(newest, window.oldest)
+            rate = learned_rate(newest, window.oldest, window.elapsed_s)
             if rate:
                 rates.append(rate)
             capacities[instance_id] = newest.kv_cache_tokens or 0.0

@@ -89,8 +89,10 @@ class VllmReading:
         return ratio(self.prefix_cache_hits, self.prefix_cache_queries)
 
 
-def learned_rate(new: VllmReading, old: VllmReading | None) -> float | None:
-    """The instance's prefill rate over the window between two readings (see
+def learned_rate(
+    new: VllmReading, old: VllmReading | None, elapsed_s: float
+) -> float | None:
+    """The instance's prefill rate over the ``elapsed_s`` between two readings (see
     :func:`prefix_router.core.work.learned_prefill_rate`); None if it cannot tell."""
     if old is None:
         return None
@@ -99,7 +101,7 @@ def learned_rate(new: VllmReading, old: VllmReading | None) -> float | None:
     seconds = _counter_delta(new.prefill_seconds, old.prefill_seconds)
     if queries is None or hits is None or seconds is None:
         return None
-    return learned_prefill_rate(queries - hits, seconds)
+    return learned_prefill_rate(queries - hits, seconds, elapsed_s)
 
 
 @dataclass(frozen=True, slots=True)

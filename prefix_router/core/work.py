@@ -99,12 +99,30 @@ MIN_PREFILL_SECONDS = 1.0
 """Prefill time a window of metrics must hold before a rate is learned from it."""
 
 
-def learned_prefill_rate(computed_tokens: float, prefill_seconds: float) -> float | None:
-    """An instance's prefill rate from its metrics over a window: prompt tokens computed
-    (``vllm:prefix_cache_queries`` minus ``hits``) per second of prefill
-    (``vllm:request_prefill_time_seconds_sum``). Requests prefilled in the same engine step
-    each count the step, so this errs low under load, on the side of spreading; None when
-    the window holds too little prefill to tell."""
-    if prefill_seconds < MIN_PREFILL_SECONDS or computed_tokens <= 0:
+def learned_prefill_rate(
+    computed_tokens: float, prefill_seconds: float, window_seconds: float
+) -> float | None:
+    """An instance's prefill rate from its metrics over a window of ``window_seconds``:
+    prompt tokens computed (``vllm:prefix_cache_queries`` minus ``hits``) per second the
+    instance spent prefilling. None when the window holds too little prefill to tell.
+
+    vLLM's ``vllm:request_prefill_time_seconds`` is per request: requests prefilled in the
+    same engine steps each count those steps, so ``tokens / prefill_seconds`` alone is the
+    rate divided by how many requests were in prefill at once (3x low at 60% load in the
+    simulation). What the router needs is the rate while the instance prefills at all:
+    ``tokens / busy``, with ``busy = tokens / rate`` its seconds of prefill. The mean
+    number of requests in prefill is ``N = prefill_seconds / window_seconds``; served
+    together (steps shared), that number is ``rho / (1 - rho)`` with ``rho`` the busy
+    fraction, whatever the prompts' sizes (processor sharing), so
+    ``rho = N / (1 + N)`` and::
+
+        rate = throughput / rho = tokens / prefill_seconds + tokens / window_seconds
+
+    It is exact for requests alone (``N`` small: the first term) and for a saturated
+    instance (``rho`` near 1: the throughput); if requests never overlap it errs high
+    by at most the factor ``1 + rho``, where the per-request sum would err low by the
+    overlap instead.
+    """
+    if prefill_seconds < MIN_PREFILL_SECONDS or computed_tokens <= 0 or window_seconds <= 0:
         return None
-    return computed_tokens / prefill_seconds
+    return computed_tokens / prefill_seconds + computed_tokens / window_seconds
