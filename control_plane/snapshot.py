@@ -1,7 +1,8 @@
 """xDS snapshots: one immutable, versioned set of resources per type, built by a pure function.
 
-A :class:`Snapshot` is what every Envoy should run: the model-serving cluster
-(CDS) and its endpoints (EDS) for one (fleet version, config version). It is
+A :class:`Snapshot` is what every Envoy should run: the model-serving clusters
+(CDS: the whole fleet's, and one per pool when the fleet declares models) and their
+endpoints (EDS) for one (fleet version, config version). It is
 built once by :func:`build_snapshot` from the same JSON the static bootstrap
 uses (``prefix_router.envoy.cluster``), parsed into protos and packed into
 ``Any`` once, so every stream sends the same bytes. The snapshot resources
@@ -36,7 +37,7 @@ from prefix_router.core.config import RouterConfig
 from prefix_router.core.errors import PrefixRouterError
 from prefix_router.core.fleet import Fleet
 from prefix_router.envoy.addresses import Addresses, names_in
-from prefix_router.envoy.cluster import load_assignment, model_cluster
+from prefix_router.envoy.cluster import load_assignments, model_clusters
 
 CLUSTER_TYPE = "type.googleapis.com/envoy.config.cluster.v3.Cluster"
 ENDPOINT_TYPE = "type.googleapis.com/envoy.config.endpoint.v3.ClusterLoadAssignment"
@@ -125,13 +126,15 @@ def build_snapshot(
     """The snapshot every Envoy should run for this fleet and config. Pure: the instances
     named by DNS come resolved in ``addresses`` (:mod:`prefix_router.envoy.addresses`)."""
     addresses = {n: a for n, a in addresses.items() if n in names_in(fleet)}
-    cluster = ParseDict(
-        model_cluster(config, fleet, eds=True, addresses=addresses), cluster_pb2.Cluster()
-    )
-    assignment = ParseDict(
-        load_assignment(fleet, addresses), endpoint_pb2.ClusterLoadAssignment()
-    )
+    clusters = [
+        ParseDict(c, cluster_pb2.Cluster())
+        for c in model_clusters(config, fleet, eds=True, addresses=addresses)
+    ]
+    assignments = [
+        ParseDict(a, endpoint_pb2.ClusterLoadAssignment())
+        for a in load_assignments(fleet, addresses)
+    ]
     return Snapshot.of(
         snapshot_version(fleet.version, config_version, addresses),
-        {CLUSTER_TYPE: [cluster], ENDPOINT_TYPE: [assignment]},
+        {CLUSTER_TYPE: clusters, ENDPOINT_TYPE: assignments},
     )

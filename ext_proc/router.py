@@ -25,6 +25,7 @@ from typing import NamedTuple
 
 from prefix_router.core.decision import Outcome
 from prefix_router.core.key import Fallback, PrefixKey, extract_key
+from prefix_router.core.pools import unknown_model_body
 from prefix_router.core.table import RoutingTable
 from prefix_router.state.routing import InProcessStore, Routed, RoutingStore, StateUnavailable
 
@@ -67,6 +68,10 @@ class RouteDecision(NamedTuple):
     """The instance holding the longest prefix of the request (None: nobody did)."""
     cached_tokens: int = 0
     """Tokens of the prompt the instance is expected to have cached."""
+    pool_header: str | None = None
+    """The ``x-prefix-pool`` value (the pool's Envoy cluster); None: the whole fleet."""
+    pool: str = ""
+    """The request's pool (its model, ``*`` the catch-all); empty: the whole fleet."""
 
 
 @dataclass(slots=True)
@@ -79,6 +84,8 @@ class RouteResult:
     """The store holding that count."""
     prefill_end: float = 0.0
     """When the store modelled the request's prefill to end (see ``RoutingStore.release``)."""
+    answer: bytes | None = None
+    """Set when the router answers the request itself (an unknown model: a 404 body)."""
 
 
 class RequestRouter:
@@ -120,8 +127,16 @@ class RequestRouter:
         )
         if key.fallback is not None:
             self.callbacks.on_fallback(key.fallback)
-        if not table.ids:
-            decision = RouteDecision(Outcome.NO_INSTANCES, None, None, None)
+        pool = table.pool_for(key.model)
+        if pool is None:  # no instance serves it: answer without touching any
+            decision = RouteDecision(Outcome.UNKNOWN_MODEL, None, None, None, pool=key.model or "")
+            self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
+            answer = unknown_model_body(key.model or "", table.pools)
+            return RouteResult(decision, key, None, answer=answer)
+        if not pool.members:  # Envoy's cluster still decides (it may route in panic)
+            decision = RouteDecision(
+                Outcome.NO_INSTANCES, None, None, None, pool_header=pool.header, pool=pool.name
+            )
             self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
             return RouteResult(decision, key, None)
         routed, store, degraded = await self._route(key, table, request_id)
@@ -130,9 +145,11 @@ class RequestRouter:
         decision = RouteDecision(
             Outcome.RING_ONLY if degraded else made.outcome,
             routed.instance_id,
-            table.header_for(key.value, routed.ring_order, made.instance),
+            table.header_for(key.value, routed.ring_order, made.instance, pool),
             None if made.home is None else table.ids[made.home],
             made.cached_tokens,
+            pool.header,
+            pool.name,
         )
         self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
         return RouteResult(decision, key, routed.instance_id, store, routed.prefill_end)

@@ -36,16 +36,19 @@ import logging
 
 from envoy.config.core.v3 import base_pb2
 from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
+from envoy.type.v3 import http_status_pb2
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from ext_proc.http2.grpc_server import Answer, GrpcError, StatusCode
 from ext_proc.router import RequestRouter, RouteResult
+from prefix_router.core.pools import POOL_HEADER
 
 log = logging.getLogger("prefix_router.ext_proc")
 
 SERVICE_NAME = "envoy.service.ext_proc.v3.ExternalProcessor"
 PROCESS_PATH = f"/{SERVICE_NAME}/Process"
 PREFIX_KEY_HEADER = "x-prefix-key"
+MODELS_PATH = "/v1/models"
 
 
 def _serialized(response: pb.ProcessingResponse) -> bytes:
@@ -66,21 +69,51 @@ CONTINUE = {
 _CONTINUE_BODY = CONTINUE["request_body"]
 
 
-def route_response_message(header_value: str) -> pb.ProcessingResponse:
-    """The body answer that sets ``x-prefix-key``: what Envoy's ring hash reads."""
+def route_response_message(
+    header_value: str | None, pool_header: str | None = None
+) -> pb.ProcessingResponse:
+    """The body answer that sets ``x-prefix-key`` (what Envoy's ring hash reads) and, for a
+    request of a pool, ``x-prefix-pool`` (the pool's cluster) with the route cache cleared,
+    so Envoy picks the pool's route after this answer."""
+    headers = [(PREFIX_KEY_HEADER, header_value)] if header_value is not None else []
+    if pool_header is not None:
+        headers.append((POOL_HEADER, pool_header))
     return pb.ProcessingResponse(
         request_body=pb.BodyResponse(
             response=pb.CommonResponse(
                 header_mutation=pb.HeaderMutation(
                     set_headers=[
                         base_pb2.HeaderValueOption(
+                            header=base_pb2.HeaderValue(key=name, raw_value=value.encode()),
+                            append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
+                        )
+                        for name, value in headers
+                    ]
+                ),
+                clear_route_cache=pool_header is not None,
+            )
+        )
+    )
+
+
+def immediate_response(status: int, body: bytes) -> bytes:
+    """An answer Envoy sends the client itself, the request going to no instance: JSON,
+    as vLLM's OpenAI server answers."""
+    return _serialized(
+        pb.ProcessingResponse(
+            immediate_response=pb.ImmediateResponse(
+                status=http_status_pb2.HttpStatus(code=status),
+                headers=pb.HeaderMutation(
+                    set_headers=[
+                        base_pb2.HeaderValueOption(
                             header=base_pb2.HeaderValue(
-                                key=PREFIX_KEY_HEADER, raw_value=header_value.encode()
+                                key="content-type", raw_value=b"application/json"
                             ),
                             append_action=base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,
                         )
                     ]
-                )
+                ),
+                body=body,
             )
         )
     )
@@ -98,17 +131,27 @@ def _field(tag: int, payload: bytes) -> bytes:
 
 
 _KEY_FIELD = _field(0x0A, PREFIX_KEY_HEADER.encode())  # HeaderValue.key (1)
+_POOL_FIELD = _field(0x0A, POOL_HEADER.encode())
 _OVERWRITE = b"\x18" + bytes((base_pb2.HeaderValueOption.OVERWRITE_IF_EXISTS_OR_ADD,))
+_CLEAR_ROUTE_CACHE = b"\x28\x01"  # CommonResponse.clear_route_cache (5) = true
 
 
-def route_response(header_value: str) -> bytes:
+def _set_header(name_field: bytes, value: str) -> bytes:
+    """One ``HeaderMutation.set_headers`` entry (field 1)."""
+    raw = value.encode()
+    header = name_field + (_field(0x1A, raw) if raw else b"")  # HeaderValue.raw_value (3)
+    return _field(0x0A, _field(0x0A, header) + _OVERWRITE)  # .header (1), .append_action
+
+
+def route_response(header_value: str | None, pool_header: str | None = None) -> bytes:
     """:func:`route_response_message` serialized, written directly: the protobuf builder
     cost ~26 us of ~250 a request. (tests/test_ext_proc_servicer.py holds the bytes equal.)"""
-    raw = header_value.encode()
-    header = _KEY_FIELD + (_field(0x1A, raw) if raw else b"")  # HeaderValue.raw_value (3)
-    option = _field(0x0A, header) + _OVERWRITE  # HeaderValueOption.header (1), .append_action
-    mutation = _field(0x0A, option)  # HeaderMutation.set_headers (1)
-    common = _field(0x12, mutation)  # CommonResponse.header_mutation (2)
+    mutation = b"" if header_value is None else _set_header(_KEY_FIELD, header_value)
+    tail = b""
+    if pool_header is not None:
+        mutation += _set_header(_POOL_FIELD, pool_header)
+        tail = _CLEAR_ROUTE_CACHE
+    common = _field(0x12, mutation) + tail  # CommonResponse.header_mutation (2)
     return _field(0x1A, _field(0x0A, common))  # ProcessingResponse.request_body (3).response (1)
 
 
@@ -132,11 +175,21 @@ class ExternalProcessor:
 class ProcessingStream:
     """One ext_proc stream, that is one HTTP request through Envoy."""
 
-    __slots__ = ("_processor", "_path", "_tenant", "_request_id", "_routing", "_result", "_ended")
+    __slots__ = (
+        "_processor",
+        "_path",
+        "_method",
+        "_tenant",
+        "_request_id",
+        "_routing",
+        "_result",
+        "_ended",
+    )
 
     def __init__(self, processor: ExternalProcessor) -> None:
         self._processor = processor
         self._path = ""
+        self._method = ""
         self._tenant = ""
         self._request_id = ""
         self._routing = False
@@ -155,10 +208,16 @@ class ProcessingStream:
                 name = h.key
                 if name == ":path":
                     self._path = _header(h)
+                elif name == ":method":
+                    self._method = _header(h)
                 elif name == tenant_header:
                     self._tenant = _header(h)
                 elif name == "x-request-id":
                     self._request_id = _header(h)
+            if self._method == "GET" and self._path.split("?", 1)[0] == MODELS_PATH:
+                table = self._processor.router.table
+                if table.pooled:  # the fleet's models; unpooled, an instance answers
+                    return immediate_response(200, table.models_body)
         elif kind == "request_body" and not self._routing:
             self._routing = True  # later chunks of a streamed body: nothing to add
             return self._route(request.request_body)
@@ -184,9 +243,13 @@ class ProcessingStream:
         if self._ended:  # Envoy ended the stream while we routed: nothing holds the count
             router.finish(result)
             return _CONTINUE_BODY
+        if result.answer is not None:
+            return immediate_response(404, result.answer)
         self._result = result
-        header_value = result.decision.header_value
-        return _CONTINUE_BODY if header_value is None else route_response(header_value)
+        decision = result.decision
+        if decision.header_value is None and decision.pool_header is None:
+            return _CONTINUE_BODY
+        return route_response(decision.header_value, decision.pool_header)
 
     def on_end(self, cancelled: bool) -> None:
         """The stream is over: give back the request's in-flight count."""

@@ -64,6 +64,8 @@ class Outcome(StrEnum):
     RING_ONLY = "ring_only"
     """Fleet-wide state unavailable (Redis slow or down): decided on this replica's own."""
     NO_INSTANCES = "no_instances"
+    UNKNOWN_MODEL = "unknown_model"
+    """No instance serves the request's model: answered 404 by ext_proc (:mod:`.pools`)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -199,11 +201,16 @@ def decide(
     tag_of: Sequence[int],
     instance_of: Mapping[int, int],
     overflow: Callable[[], Sequence[int]] = tuple,
+    members: Sequence[int] | None = None,
 ) -> Decision:
     """Route one request (see the module doc). ``ring_order`` is the key's first ring
     instances (non-empty) and ``overflow`` lists more of them, asked for only when every
     candidate is overloaded; ``tag_of[i]`` is instance ``i``'s identity tag and
-    ``instance_of`` the reverse."""
+    ``instance_of`` the reverse, over the instances the request may go to.
+
+    ``members``: the instances of the request's pool (:mod:`.pools`) when it is not the
+    whole fleet; the in-flight bound is then the pool's mean, and holders outside it are
+    not candidates (the caller's ``instance_of`` holds only the pool's tags)."""
     ends = key.ends
     shift = 64 - rule.slots_log2
     located = [(block >> shift, block & 0xFFFF) for block in key.blocks]  # index.locate
@@ -228,7 +235,11 @@ def decide(
     for i in ring_order:
         cached.setdefault(i, common)
     candidates = [Candidate(i, tokens, *view.load(i)) for i, tokens in cached.items()]
-    bound = in_flight_bound(rule, view.total_in_flight(), len(tag_of))
+    if members is None:
+        bound = in_flight_bound(rule, view.total_in_flight(), len(tag_of))
+    else:
+        total = sum(view.load(i)[2] for i in members)
+        bound = in_flight_bound(rule, total, len(members))
     if rule.policy is not SpillPolicyName.NONE and not any(
         c.in_flight < bound and c.waiting < rule.threshold for c in candidates
     ):

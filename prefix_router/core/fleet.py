@@ -15,6 +15,35 @@ from typing import Any
 from prefix_router.core.errors import FleetError
 
 
+@dataclass(frozen=True, slots=True)
+class ServedModel:
+    """A model an instance was found serving (its ``GET /v1/models``): a base model, or a
+    LoRA adapter with the base model it was loaded on as ``parent``."""
+
+    name: str
+    parent: str | None = None
+
+    def to_json_dict(self) -> dict[str, Any]:
+        return {"id": self.name, "parent": self.parent}
+
+    @classmethod
+    def from_json_dict(cls, data: dict[str, Any]) -> ServedModel:
+        parent = data.get("parent")
+        return cls(name=str(data["id"]), parent=None if parent is None else str(parent))
+
+
+MAX_MODEL_NAME = 256
+
+
+def check_model_name(name: str) -> None:
+    """A served model name becomes an Envoy cluster name and a header value: printable
+    ASCII (no spaces), 1..256 characters."""
+    if not 0 < len(name) <= MAX_MODEL_NAME or not all(" " < c <= "~" for c in name):
+        raise FleetError(
+            f"model name {name!r} must be 1..{MAX_MODEL_NAME} printable ASCII characters, no spaces"
+        )
+
+
 class InstanceState(StrEnum):
     ACTIVE = "active"
     DRAINING = "draining"
@@ -34,6 +63,9 @@ class Instance:
     """Envoy ``envoy.lb`` metadata ``hash_key``: a ring identity that survives address changes."""
     healthy: bool = True
     draining_since: float | None = None
+    discovered: tuple[ServedModel, ...] = ()
+    """What the control plane found the instance serving (``GET /v1/models``); used only
+    while nothing is declared in ``models``, which always takes precedence."""
 
     def __post_init__(self) -> None:
         if not self.address:
@@ -42,6 +74,8 @@ class Instance:
             raise FleetError(f"instance port {self.port} out of range 1..65535")
         if not 1 <= self.weight <= 128:
             raise FleetError(f"instance weight {self.weight} out of range 1..128")
+        for name in self.models:
+            check_model_name(name)
 
     @property
     def id(self) -> str:
@@ -56,6 +90,12 @@ class Instance:
     def ring_key(self) -> str:
         """The string Envoy hashes for this instance's ring entries."""
         return self.hash_key or self.id
+
+    @property
+    def serves(self) -> tuple[str, ...]:
+        """The model names requests may reach this instance with: the declared ``models``,
+        else the discovered ones; empty: unknown, so it may serve any (see :mod:`.pools`)."""
+        return self.models or tuple(m.name for m in self.discovered)
 
     @property
     def routable(self) -> bool:
@@ -76,6 +116,7 @@ class Instance:
             "hash_key": self.hash_key,
             "healthy": self.healthy,
             "draining_since": self.draining_since,
+            "discovered": [m.to_json_dict() for m in self.discovered],
         }
 
     @classmethod
@@ -89,11 +130,15 @@ class Instance:
             hash_key=data.get("hash_key"),
             healthy=bool(data.get("healthy", True)),
             draining_since=data.get("draining_since"),
+            discovered=tuple(ServedModel.from_json_dict(m) for m in data.get("discovered") or ()),
         )
 
     @classmethod
     def from_url(cls, url: str) -> Instance:
-        """``[http://]host:port[:weight[:hash_key]]`` -> Instance (the ``--backend`` flag)."""
+        """``[http://]host:port[:weight[:hash_key]][#model,model...]`` -> Instance (the
+        ``--backend`` flag); the models after ``#`` are declared (:mod:`.pools`)."""
+        url, _, served = url.partition("#")
+        models = tuple(m.strip() for m in served.split(",") if m.strip())
         rest = url.split("://", 1)[-1].rstrip("/")
         if rest.startswith("["):
             host, _, tail = rest[1:].partition("]")
@@ -104,7 +149,15 @@ class Instance:
             raise FleetError(f"backend {url!r} is not of the form [http://]host:port[:weight]")
         weight = int(fields[1]) if len(fields) > 1 and fields[1] else 1
         hash_key = fields[2] if len(fields) > 2 and fields[2] else None
-        return cls(address=host, port=int(fields[0]), weight=weight, hash_key=hash_key)
+        return cls(
+            address=host, port=int(fields[0]), weight=weight, hash_key=hash_key, models=models
+        )
+
+    def to_url(self) -> str:
+        """The ``--backend`` form of this instance (:meth:`from_url` reads it back)."""
+        host = f"[{self.address}]" if ":" in self.address else self.address
+        url = f"{host}:{self.port}:{self.weight}:{self.hash_key or ''}"
+        return url + ("#" + ",".join(self.models) if self.models else "")
 
 
 @dataclass(frozen=True, slots=True)

@@ -56,6 +56,7 @@ import orjson
 import xxhash
 
 from prefix_router.core.config import DEFAULT_OPENAI_MAX_PARSE_BYTES, PrefixMode
+from prefix_router.core.pools import request_model
 
 BYTES_PER_TOKEN = 4
 """Bytes of prompt text per token, to size a request's prefill work from its body (English
@@ -96,6 +97,10 @@ class KeySettings:
     """``openai`` mode keys larger bodies on their raw bytes rather than parse them."""
     block_bytes: int = 0
     """Bytes per block of the prefix; 0: the whole prefix is one block (a fixed key)."""
+    by_model: bool = False
+    """The fleet routes by pool (:mod:`.pools`): find the request's ``model`` in every
+    mode, and scope the key by it (the first block's seed), as vLLM scopes its cache by
+    model and adapter."""
 
 
 class PrefixKey(NamedTuple):
@@ -111,6 +116,9 @@ class PrefixKey(NamedTuple):
     """Tokens the request may generate (its limit, or the default)."""
     fallback: Fallback | None = None
     """Set when ``openai`` mode fell back to ``bytes``."""
+    model: str | None = None
+    """The request's ``model`` field (None: none found, or not looked for: ``bytes`` mode
+    of a fleet without pools)."""
 
 
 class _Unrenderable(Exception):
@@ -135,13 +143,26 @@ def extract_key(
     prompt_tokens = min(MAX_PROMPT_TOKENS, max(1, len(body) // BYTES_PER_TOKEN))
     if settings.mode is PrefixMode.OPENAI:
         try:
-            salt, prefix, output = _render_openai(
+            salt, prefix, output, model = _render_openai(
                 body, path=path, complete=complete, limit=limit, max_parse=settings.max_parse_bytes
             )
         except _Unrenderable as why:
-            return _key(tenant, "", body[:limit], settings, prompt_tokens, why.reason)
-        return _key(tenant, salt, prefix, settings, prompt_tokens, None, output)
-    return _key(tenant, "", body[:limit], settings, prompt_tokens, None)
+            model = _raw_model(body, settings) if why.reason in _PARSED_AGAIN else None
+            return _key(tenant, "", body[:limit], settings, prompt_tokens, why.reason, model=model)
+        return _key(tenant, salt, prefix, settings, prompt_tokens, None, output, model)
+    return _key(
+        tenant, "", body[:limit], settings, prompt_tokens, None, model=_raw_model(body, settings)
+    )
+
+
+_PARSED_AGAIN = frozenset({Fallback.OTHER_PATH, Fallback.UNEXPECTED_SHAPE})
+"""Fallbacks whose body may still be a JSON object naming a model (embeddings, say)."""
+
+
+def _raw_model(body: bytes, settings: KeySettings) -> str | None:
+    """The ``model`` of a body ``openai`` mode did not render: looked for only when the
+    fleet routes by pool (a JSON parse of the body)."""
+    return request_model(body, settings.max_parse_bytes) if settings.by_model else None
 
 
 def _key(
@@ -152,9 +173,11 @@ def _key(
     prompt_tokens: int,
     fallback: Fallback | None,
     output_tokens: int = DEFAULT_OUTPUT_TOKENS,
+    model: str | None = None,
 ) -> PrefixKey:
     ends = block_ends(len(prefix), settings.block_bytes)
-    blocks = chain_hashes(_seed(tenant, salt), prefix, ends)
+    scope = (model or "") if settings.by_model else ""
+    blocks = chain_hashes(_seed(tenant, salt, scope), prefix, ends)
     return PrefixKey(
         value=f"{blocks[-1]:016x}",
         blocks=blocks,
@@ -162,15 +185,20 @@ def _key(
         prompt_tokens=prompt_tokens,
         output_tokens=output_tokens,
         fallback=fallback,
+        model=model,
     )
 
 
 @lru_cache(maxsize=4096)
-def _seed(tenant: str, salt: str) -> int:
-    if not tenant and not salt:
+def _seed(tenant: str, salt: str, model: str = "") -> int:
+    """The first block's seed: 0 unscoped (no tenant, salt or pool model), so keys stay
+    what they were before scopes existed."""
+    if not tenant and not salt and not model:
         return 0
-    scope = f"{tenant}{_FIELD}{salt}{_RECORD}".encode("utf-8", "surrogatepass")
-    return xxhash.xxh64_intdigest(scope)
+    scope = f"{tenant}{_FIELD}{salt}{_RECORD}"
+    if model:
+        scope += f"{model}{_RECORD}"
+    return xxhash.xxh64_intdigest(scope.encode("utf-8", "surrogatepass"))
 
 
 def _scales(count: int) -> tuple[int, ...]:
@@ -229,9 +257,9 @@ def _path_only(path: str) -> str:
 
 def _render_openai(
     body: bytes, *, path: str, complete: bool, limit: int, max_parse: int
-) -> tuple[str, bytes, int]:
-    """``(cache_salt, first limit bytes of the canonical rendering, output tokens)`` or
-    :class:`_Unrenderable`.
+) -> tuple[str, bytes, int, str | None]:
+    """``(cache_salt, first limit bytes of the canonical rendering, output tokens, model)``
+    or :class:`_Unrenderable`.
 
     Parts are rendered lazily and only until ``limit`` bytes exist: what lies past
     the prefix is never examined.
@@ -256,7 +284,8 @@ def _render_openai(
         if not isinstance(salt, str):
             raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
         prefix = _first_bytes(_render_parts(request, route, limit), limit)
-        return salt, prefix, _output_tokens(request)
+        model = request.get("model")
+        return salt, prefix, _output_tokens(request), model if isinstance(model, str) else None
     except _Unrenderable:
         raise
     except (

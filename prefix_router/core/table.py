@@ -19,7 +19,7 @@ instance keeps its tag while the others come and go.
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from dataclasses import dataclass, field
 from itertools import islice
 
@@ -28,6 +28,7 @@ from prefix_router.core.decision import Decision, DecisionRule, FleetView, block
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.index import identity_tag
 from prefix_router.core.key import KeySettings, PrefixKey
+from prefix_router.core.pools import CATCH_ALL, cluster_name, layout, models_list_body
 from prefix_router.core.ring import Ring, hash_key, ring_size_for
 from prefix_router.core.work import InstanceModel
 
@@ -36,11 +37,81 @@ OVERFLOW_CANDIDATES = 16
 
 
 @dataclass(frozen=True, slots=True)
+class Pool:
+    """The instances one request may go to (:mod:`.pools`) and the ring Envoy's cluster
+    for them runs: the same ring code as the whole fleet's, over the pool's instances.
+
+    Indexes are the table's (into :attr:`RoutingTable.ids`), so loads, tags and the
+    decision's writes are the same whatever the pool."""
+
+    name: str
+    """The model (or :data:`~.pools.CATCH_ALL`); empty for the whole fleet."""
+    header: str | None
+    """The ``x-prefix-pool`` value (its Envoy cluster); None: the whole-fleet cluster,
+    Envoy's default route."""
+    members: tuple[int, ...]
+    """Its routable instances, in ring (host-set) order."""
+    ring: Ring
+    tokens: Mapping[int, str]
+    """Instance -> a steering token this pool's ring maps to it."""
+    instance_of_tag: Mapping[int, int]
+    """Identity tag -> instance, for the pool's instances only."""
+    whole: bool
+    """The whole fleet (the in-flight bound is then the fleet's mean, as without pools)."""
+    width: int
+    _orders: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False, repr=False)
+    """Each ring entry's first ``width`` instances, as asked for."""
+
+    @classmethod
+    def build(
+        cls,
+        name: str,
+        header: str | None,
+        hosts: Sequence[Instance],
+        members: Sequence[int],
+        tags: Sequence[int],
+        *,
+        entries_per_weight: int,
+        width: int,
+        whole: bool = False,
+    ) -> Pool:
+        chosen = [hosts[i] for i in members]
+        ring = Ring.build(chosen, minimum_ring_size=ring_size_for(chosen, entries_per_weight))
+        return cls(
+            name=name,
+            header=header,
+            members=tuple(members),
+            ring=ring,
+            tokens=dict(zip(members, ring.steering_tokens(), strict=True)),
+            instance_of_tag={tags[i]: i for i in members},
+            whole=whole,
+            width=width,
+        )
+
+    def ring_order(self, key: str, count: int = 0) -> tuple[int, ...]:
+        """The key's first ``count`` (default ``width``) instances in this pool's ring
+        order: the ring's pick, then its successors. The default count is remembered per
+        ring entry (a request's common case costs one hash and one bisect)."""
+        key_hash = hash_key(key)
+        members = self.members
+        if count:
+            return tuple(members[j] for j in islice(self.ring.successors(key_hash), count))
+        position = self.ring.position(key_hash) if self.ring.hashes else -1
+        order = self._orders.get(position)
+        if order is None:
+            order = self._orders[position] = tuple(
+                members[j] for j in islice(self.ring.successors(key_hash), self.width)
+            )
+        return order
+
+
+@dataclass(frozen=True, slots=True)
 class RoutingTable:
     fleet_version: int
     config_version: int
     config: RouterConfig
     ring: Ring
+    """The whole fleet's ring (Envoy's ``models`` cluster)."""
     ids: tuple[str, ...]
     tokens: tuple[str, ...]
     tags: tuple[int, ...]
@@ -50,72 +121,106 @@ class RoutingTable:
     rule: DecisionRule
     default_model: InstanceModel
     """What an instance is assumed to be until its metrics are learned."""
-    _orders: dict[int, tuple[int, ...]] = field(default_factory=dict, compare=False, repr=False)
-    """Each ring entry's first ``placement.width`` instances, as asked for (at most one
-    list per entry)."""
+    whole: Pool
+    """Every routable instance: the one pool of a fleet that declares no model."""
+    pools: Mapping[str, Pool] = field(default_factory=dict)
+    """Model -> its pool; empty when the fleet declares no model (:mod:`.pools`)."""
+    catch_all: Pool | None = None
+    """Where a model no instance names goes (instances that declare nothing), or None:
+    such a model is unknown."""
+    models_body: bytes = b""
+    """``GET /v1/models`` for the fleet (:func:`~.pools.models_list_body`), when pooled."""
 
     @classmethod
     def build(cls, fleet: Fleet, config: RouterConfig, *, config_version: int = 0) -> RoutingTable:
         hosts = fleet.routable
-        ring = Ring.build(
-            hosts, minimum_ring_size=ring_size_for(hosts, config.ring.entries_per_weight)
-        )
         tags = distinct_tags(hosts)
         fixed = config.prefix_match is PrefixMatch.FIXED
+        k, width = config.ring.entries_per_weight, config.placement.width
+        whole = Pool.build(
+            "", None, hosts, range(len(hosts)), tags, entries_per_weight=k, width=width, whole=True
+        )
+        lay = layout(fleet.instances)
+        index = {h.id: i for i, h in enumerate(hosts)}
+
+        def pool(name: str, instances: Sequence[Instance]) -> Pool:
+            members = [index[i.id] for i in instances if i.id in index]
+            return Pool.build(
+                name, cluster_name(name), hosts, members, tags, entries_per_weight=k, width=width
+            )
+
+        pools = {name: pool(name, insts) for name, insts in lay.by_model.items()}
+        catch_all = pool(CATCH_ALL, lay.catch_all) if lay.pooled and lay.catch_all else None
         return cls(
             fleet_version=fleet.version,
             config_version=config_version,
             config=config,
-            ring=ring,
+            ring=whole.ring,
             ids=tuple(h.id for h in hosts),
-            tokens=ring.steering_tokens(),
+            tokens=tuple(whole.tokens[i] for i in range(len(hosts))),
             tags=tags,
-            instance_of_tag={tag: i for i, tag in enumerate(tags)},
+            instance_of_tag=dict(whole.instance_of_tag),
             key_settings=KeySettings(
                 prefix_length=config.prefix_length,
                 mode=config.prefix_mode,
                 max_parse_bytes=config.openai_max_parse_bytes,
                 block_bytes=0 if fixed else block_bytes(config),
+                by_model=lay.pooled,
             ),
             rule=DecisionRule.from_config(config),
             default_model=InstanceModel(
                 prefill_tokens_per_s=config.instance_defaults.prefill_tokens_per_s,
                 kv_cache_tokens=config.instance_defaults.kv_cache_tokens,
             ),
+            whole=whole,
+            pools=pools,
+            catch_all=catch_all,
+            models_body=models_list_body(fleet.instances) if lay.pooled else b"",
         )
 
-    def ring_order(self, key: str, count: int = 0) -> tuple[int, ...]:
-        """The key's first ``count`` (default ``placement.width``) instances in ring order:
-        the ring's pick, then its successors. The default count is remembered per ring
-        entry (a request's common case costs one hash and one bisect)."""
-        key_hash = hash_key(key)
-        if count:
-            return tuple(islice(self.ring.successors(key_hash), count))
-        position = self.ring.position(key_hash) if self.ring.hashes else -1
-        order = self._orders.get(position)
-        if order is None:
-            width = self.rule.placement_width
-            order = self._orders[position] = tuple(islice(self.ring.successors(key_hash), width))
-        return order
+    @property
+    def pooled(self) -> bool:
+        """True when the fleet routes by model (some instance says what it serves)."""
+        return bool(self.pools)
+
+    def pool_for(self, model: str | None) -> Pool | None:
+        """The pool of a request naming ``model``: the whole fleet when the fleet is not
+        pooled or the request names no model; None when no instance serves ``model``."""
+        if not self.pools or model is None:
+            return self.whole
+        return self.pools.get(model) or self.catch_all
+
+    def ring_order(self, key: str, count: int = 0, pool: Pool | None = None) -> tuple[int, ...]:
+        """The key's first ``count`` (default ``placement.width``) instances in the ring
+        order of ``pool`` (default: the whole fleet)."""
+        return (pool or self.whole).ring_order(key, count)
 
     def decide(self, key: PrefixKey, view: FleetView) -> tuple[Decision, tuple[int, ...]]:
-        """:func:`~prefix_router.core.decision.decide` with this table; also returns the
-        key's ring order (for :meth:`header_for`)."""
-        ring_order = self.ring_order(key.value)
+        """:func:`~prefix_router.core.decision.decide` within the key's pool (the whole
+        fleet for a model no pool serves: the caller answers those before deciding); also
+        returns the key's ring order in that pool (for :meth:`header_for`)."""
+        pool = self.pool_for(key.model) or self.whole
+        ring_order = pool.ring_order(key.value)
         decision = decide(
             key,
             ring_order,
             view,
             self.rule,
             self.tags,
-            self.instance_of_tag,
-            lambda: self.ring_order(key.value, OVERFLOW_CANDIDATES),
+            pool.instance_of_tag,
+            lambda: pool.ring_order(key.value, OVERFLOW_CANDIDATES),
+            None if pool.whole else pool.members,
         )
         return decision, ring_order
 
-    def header_for(self, key: str, ring_order: Sequence[int], chosen: int) -> str:
-        """The ``x-prefix-key`` value that makes Envoy pick instance ``chosen``."""
-        return key if ring_order and ring_order[0] == chosen else self.tokens[chosen]
+    def header_for(
+        self, key: str, ring_order: Sequence[int], chosen: int, pool: Pool | None = None
+    ) -> str:
+        """The ``x-prefix-key`` value that makes Envoy's ring of ``pool`` (default: the
+        whole fleet) pick instance ``chosen``."""
+        if ring_order and ring_order[0] == chosen:
+            return key
+        return (pool or self.whole).tokens[chosen]
 
 
 def distinct_tags(hosts: tuple[Instance, ...]) -> tuple[int, ...]:

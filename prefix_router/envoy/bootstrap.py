@@ -21,8 +21,9 @@ from typing import Any
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.errors import ConfigError
 from prefix_router.core.fleet import Fleet
+from prefix_router.core.pools import POOL_CLUSTER_PREFIX, POOL_HEADER
 from prefix_router.envoy.addresses import is_ip_literal, names_in, resolve_now
-from prefix_router.envoy.cluster import MODEL_CLUSTER, circuit_breakers, model_cluster
+from prefix_router.envoy.cluster import MODEL_CLUSTER, circuit_breakers, model_clusters
 
 XDS_CLUSTER = "xds"
 MIN_GRPC_CLIENT_IDLE_S = 5
@@ -227,6 +228,23 @@ def probe_listener(params: BootstrapParams) -> dict[str, Any] | None:
     }
 
 
+def pool_route(config: RouterConfig) -> dict[str, Any]:
+    """The route of a pool's request: ext_proc set ``x-prefix-pool`` to the pool's cluster
+    (``models/<model>``, :mod:`prefix_router.core.pools`), and asked Envoy to pick the
+    route again; the cluster is the header's value, hashed on x-prefix-key as the whole
+    fleet's route is. The match admits only pool cluster names, so no header value could
+    reach ext_proc's, the xDS or the admin cluster."""
+    entry = model_route(config)
+    route = entry["route"]
+    del route["cluster"]
+    route["cluster_header"] = POOL_HEADER
+    entry["match"] = {
+        "prefix": "/",
+        "headers": [{"name": POOL_HEADER, "string_match": {"prefix": POOL_CLUSTER_PREFIX}}],
+    }
+    return entry
+
+
 def model_route(config: RouterConfig, *, ext_proc: bool = True) -> dict[str, Any]:
     """The data-plane route: hash on x-prefix-key, never time out a long generation.
 
@@ -324,8 +342,8 @@ def render_bootstrap(
         if fleet is None:
             raise ValueError("a static bootstrap needs the fleet")
         addresses = resolve_now(names_in(fleet))
-        clusters.append(
-            model_cluster(config, fleet, eds=False, lb_policy=params.lb_policy, addresses=addresses)
+        clusters += model_clusters(
+            config, fleet, eds=False, lb_policy=params.lb_policy, addresses=addresses
         )
     template = Template(template_path().read_text())
     return template.substitute(
@@ -341,6 +359,7 @@ def render_bootstrap(
         max_downstream_connections=params.max_downstream_connections
         or default_max_downstream_connections(),
         route_json=json.dumps(model_route(config, ext_proc=bool(params.ext_proc))),
+        pool_route_json=json.dumps(pool_route(config)),
         static_clusters_json=json.dumps(clusters),
         probe_listener="" if probes is None else f"  - {json.dumps(probes)}",
         dynamic_resources=dynamic,

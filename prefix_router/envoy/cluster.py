@@ -13,10 +13,11 @@ from typing import Any
 
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance, InstanceState
+from prefix_router.core.pools import WHOLE_FLEET_CLUSTER, layout
 from prefix_router.core.ring import ring_size_for
 from prefix_router.envoy.addresses import Addresses, is_ip_literal, publishable, published_address
 
-MODEL_CLUSTER = "models"
+MODEL_CLUSTER = WHOLE_FLEET_CLUSTER
 PANIC_ONLY_WHEN_NONE_HEALTHY = 1.0
 """Envoy's healthy_panic_threshold, in percent: below it Envoy ignores health. Envoy
 rounds it to a whole percent, so 1 is the least that works; in a fleet of under 100
@@ -52,6 +53,40 @@ def circuit_breakers(config: RouterConfig) -> dict[str, Any]:
     }
 
 
+def pool_fleets(fleet: Fleet) -> dict[str, Fleet]:
+    """Envoy cluster name -> the instances it holds: the whole fleet as ``models``, then a
+    cluster per pool when the fleet declares models (:func:`prefix_router.core.pools.layout`,
+    which ext_proc's routing table builds its pools from too)."""
+    out = {MODEL_CLUSTER: fleet}
+    for name, members in layout(fleet.instances).clusters().items():
+        out[name] = Fleet(version=fleet.version, instances=members)
+    return out
+
+
+def model_clusters(
+    config: RouterConfig,
+    fleet: Fleet,
+    *,
+    eds: bool,
+    lb_policy: str = "RING_HASH",
+    addresses: Addresses = _NO_ADDRESSES,
+) -> list[dict[str, Any]]:
+    """Every model-serving cluster of the fleet (:func:`pool_fleets`), each with its own
+    ring over its own instances."""
+    return [
+        model_cluster(config, members, eds=eds, lb_policy=lb_policy, addresses=addresses, name=name)
+        for name, members in pool_fleets(fleet).items()
+    ]
+
+
+def load_assignments(fleet: Fleet, addresses: Addresses = _NO_ADDRESSES) -> list[dict[str, Any]]:
+    """The endpoints of every cluster of :func:`model_clusters`."""
+    return [
+        load_assignment(members, addresses, name=name)
+        for name, members in pool_fleets(fleet).items()
+    ]
+
+
 def model_cluster(
     config: RouterConfig,
     fleet: Fleet,
@@ -59,6 +94,7 @@ def model_cluster(
     eds: bool,
     lb_policy: str = "RING_HASH",
     addresses: Addresses = _NO_ADDRESSES,
+    name: str = MODEL_CLUSTER,
 ) -> dict[str, Any]:
     """Envoy ``Cluster`` (JSON form) for the fleet; with ``eds`` its endpoints come from EDS.
 
@@ -70,7 +106,7 @@ def model_cluster(
     hc = config.health_check
     od = config.outlier_detection
     cluster: dict[str, Any] = {
-        "name": MODEL_CLUSTER,
+        "name": name,
         "connect_timeout": "1s",
         "lb_policy": lb_policy,
         **(_ring_hash_config(config, fleet) if lb_policy == "RING_HASH" else {}),
@@ -118,11 +154,11 @@ def model_cluster(
         cluster["type"] = "EDS"
         cluster["eds_cluster_config"] = {
             "eds_config": {"ads": {}, "resource_api_version": "V3"},
-            "service_name": MODEL_CLUSTER,
+            "service_name": name,
         }
     else:
         cluster["type"] = "STATIC"
-        cluster["load_assignment"] = load_assignment(fleet, addresses)
+        cluster["load_assignment"] = load_assignment(fleet, addresses, name=name)
     return cluster
 
 
@@ -136,7 +172,9 @@ def _ring_hash_config(config: RouterConfig, fleet: Fleet) -> dict[str, Any]:
     }
 
 
-def load_assignment(fleet: Fleet, addresses: Addresses = _NO_ADDRESSES) -> dict[str, Any]:
+def load_assignment(
+    fleet: Fleet, addresses: Addresses = _NO_ADDRESSES, *, name: str = MODEL_CLUSTER
+) -> dict[str, Any]:
     """Envoy ``ClusterLoadAssignment`` (JSON form): every instance with an address (a
     DNS name must be in ``addresses``), draining ones marked so."""
     endpoints = []
@@ -144,7 +182,7 @@ def load_assignment(fleet: Fleet, addresses: Addresses = _NO_ADDRESSES) -> dict[
         address = published_address(instance, addresses)
         if address is not None:
             endpoints.append(_lb_endpoint(instance, address))
-    return {"cluster_name": MODEL_CLUSTER, "endpoints": [{"lb_endpoints": endpoints}]}
+    return {"cluster_name": name, "endpoints": [{"lb_endpoints": endpoints}]}
 
 
 def _lb_endpoint(instance: Instance, address: str) -> dict[str, Any]:

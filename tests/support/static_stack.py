@@ -40,6 +40,7 @@ def start_static_stack(
     weights: Sequence[int] | None = None,
     hash_keys: Sequence[str | None] | None = None,
     addresses: Sequence[str] | None = None,
+    models: Sequence[Sequence[str]] | None = None,
     start_ext_procs: bool = True,
     sim_args: Sequence[str] | None = None,
     ext_proc_args: Sequence[str] = (),
@@ -58,10 +59,11 @@ def start_static_stack(
     weights = weights or [1] * backends
     hash_keys = hash_keys or [None] * backends
     addresses = addresses or ["127.0.0.1"] * backends
+    models = models or [()] * backends
     fleet = Fleet.of(
         [
-            Instance(a, p, weight=w, hash_key=k)
-            for a, p, w, k in zip(addresses, ports, weights, hash_keys, strict=True)
+            Instance(a, p, weight=w, hash_key=k, models=tuple(m))
+            for a, p, w, k, m in zip(addresses, ports, weights, hash_keys, models, strict=True)
         ]
     )
     stack = StaticStack(
@@ -106,7 +108,7 @@ def start_static_stack(
 def start_ext_proc_for(stack: StaticStack, port: int, log_dir: Path) -> ManagedProcess:
     args = ["--config", str(log_dir / "routing.json"), *stack.ext_proc_args]
     for inst in stack.fleet.instances:
-        args += ["--backend", f"{inst.address}:{inst.port}:{inst.weight}:{inst.hash_key or ''}"]
+        args += ["--backend", inst.to_url()]
     return start_ext_proc(port, log_dir, args=args)
 
 

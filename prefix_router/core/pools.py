@@ -1,0 +1,141 @@
+"""Pools: the instances that may serve a request, chosen by the model it names.
+
+Each instance serves some models: the base models and LoRA adapters it declares
+(``Instance.models``), else those the control plane discovered on it
+(``Instance.discovered``). The *pool* of a model is every instance that serves it; an
+adapter's pool is the instances that have it loaded. A request's ``model`` field picks
+its pool, and the ring, placement and spill then work within that pool only: a request
+never reaches an instance that does not serve its model.
+
+An instance that serves nothing known (nothing declared, nothing discovered) is assumed
+to serve anything: it is in every pool and in the *catch-all* pool, which takes the
+models no instance names. So a fleet that declares no model has one pool, the whole
+fleet, and routes exactly as a fleet without pools; a model is unknown (answered 404 by
+ext_proc) only when every instance declares what it serves and none serves it. A
+request that names no model (not JSON, another path, no ``model`` field) goes over the
+whole fleet, as before pools.
+
+Envoy routes each pool through its own cluster (:func:`cluster_name`), whose ring is
+built from the pool's instances exactly as ext_proc's mirror of that pool is:
+:mod:`prefix_router.envoy.cluster` renders them from :func:`layout`, and
+:class:`~prefix_router.core.table.RoutingTable` builds its pools from the same layout.
+
+Pure: no I/O.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from dataclasses import dataclass
+from types import MappingProxyType
+from typing import Any
+
+import orjson
+
+from prefix_router.core.fleet import Instance
+
+WHOLE_FLEET_CLUSTER = "models"
+"""Envoy's cluster of every instance: the one cluster of a fleet without pools, and where
+a request that names no model (or that ext_proc could not route) goes."""
+POOL_CLUSTER_PREFIX = "models/"
+CATCH_ALL = "*"
+"""The catch-all pool's name (instances that declare nothing): not a valid model name of
+a pool since a request naming ``*`` is just an unknown model."""
+POOL_HEADER = "x-prefix-pool"
+"""The header ext_proc sets to the pool's cluster name; Envoy's route sends the request
+to the cluster it names (``cluster_header``)."""
+
+
+def cluster_name(pool: str) -> str:
+    """The Envoy cluster of pool ``pool`` (a model name, or :data:`CATCH_ALL`)."""
+    return POOL_CLUSTER_PREFIX + pool
+
+
+@dataclass(frozen=True, slots=True)
+class PoolLayout:
+    """Which instances serve which model, over one list of instances (in its order)."""
+
+    by_model: Mapping[str, tuple[Instance, ...]]
+    """Every model some instance serves -> the instances serving it (the catch-all
+    instances included), sorted by model name."""
+    catch_all: tuple[Instance, ...]
+    """The instances that serve nothing known, so may serve anything."""
+
+    @property
+    def pooled(self) -> bool:
+        """True when some instance says what it serves: requests are then routed by pool.
+        False: one pool, the whole fleet (routing exactly as without pools)."""
+        return bool(self.by_model)
+
+    def clusters(self) -> dict[str, tuple[Instance, ...]]:
+        """Envoy cluster name -> its instances, for every pool that needs one (none when
+        not :attr:`pooled`: the whole-fleet cluster is always there)."""
+        if not self.pooled:
+            return {}
+        out = {cluster_name(m): members for m, members in self.by_model.items()}
+        if self.catch_all:
+            out[cluster_name(CATCH_ALL)] = self.catch_all
+        return out
+
+
+def layout(instances: Sequence[Instance]) -> PoolLayout:
+    """The pools of ``instances`` (see the module doc); each pool keeps their order."""
+    catch_all = tuple(i for i in instances if not i.serves)
+    names = sorted({m for i in instances for m in i.serves})
+    by_model = {
+        name: tuple(i for i in instances if not i.serves or name in i.serves) for name in names
+    }
+    return PoolLayout(by_model=MappingProxyType(by_model), catch_all=catch_all)
+
+
+def request_model(body: bytes, max_parse_bytes: int) -> str | None:
+    """The ``model`` field of a JSON request body, or None (not JSON, too large to parse,
+    no string ``model``). Never raises."""
+    if not body or len(body) > max_parse_bytes or body.lstrip()[:1] != b"{":
+        return None
+    try:
+        request = orjson.loads(body)
+    except (orjson.JSONDecodeError, RecursionError):
+        return None
+    model = request.get("model") if isinstance(request, dict) else None
+    return model if isinstance(model, str) else None
+
+
+def unknown_model_body(model: str, served: Iterable[str]) -> bytes:
+    """The 404 body vLLM's OpenAI server answers for a model it does not serve, with the
+    fleet's served models listed."""
+    names = sorted(served)
+    return orjson.dumps(
+        {
+            "object": "error",
+            "message": f"The model `{model}` does not exist. Served models: {', '.join(names)}",
+            "type": "invalid_request_error",
+            "param": "model",
+            "code": "model_not_found",
+            "model": model,
+            "served_models": names,
+        }
+    )
+
+
+def models_list_body(instances: Iterable[Instance], created: int = 0) -> bytes:
+    """``GET /v1/models`` for the whole fleet, as one vLLM server lists its own: each
+    served model once, an adapter with its base model as ``parent`` when known."""
+    parents: dict[str, str | None] = {}
+    for instance in instances:
+        known = {m.name: m.parent for m in instance.discovered}
+        for name in instance.serves:
+            if parents.get(name) is None:
+                parents[name] = known.get(name)
+    data: list[dict[str, Any]] = [
+        {
+            "id": name,
+            "object": "model",
+            "created": created,
+            "owned_by": "vllm",
+            "root": parents[name] or name,
+            "parent": parents[name],
+        }
+        for name in sorted(parents)
+    ]
+    return orjson.dumps({"object": "list", "data": data})
