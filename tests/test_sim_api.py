@@ -466,3 +466,52 @@ def test_cli_exit_codes() -> None:
     with pytest.raises(SystemExit) as exited, contextlib.redirect_stderr(io.StringIO()):
         cli_main(["--profile", "no-such-profile"])
     assert exited.value.code == 2
+
+
+async def test_an_adapter_loaded_at_runtime_is_served_and_listed_until_unloaded(
+    sim: tuple[SimInstance, httpx.AsyncClient],
+) -> None:
+    """vLLM's /v1/load_lora_adapter and /v1/unload_lora_adapter, which the control plane's
+    model discovery follows."""
+    _, client = sim
+    body = {"model": "lora-b", "messages": [{"role": "user", "content": "hi"}]}
+
+    async def listed() -> list[str]:
+        return [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
+
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 404
+    loaded = await client.post("/v1/load_lora_adapter", json={"lora_name": "lora-b",
+                                                              "lora_path": "/adapters/b"})
+    assert loaded.status_code == 200
+    assert await listed() == [MODEL, "lora-a", "lora-b"]
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
+    again = await client.post("/v1/load_lora_adapter", json={"lora_name": "lora-b"})
+    assert again.status_code == 400
+    assert (await client.post("/v1/unload_lora_adapter",
+                              json={"lora_name": "lora-b"})).status_code == 200
+    assert await listed() == [MODEL, "lora-a"]
+    assert (await client.post("/v1/chat/completions", json=body)).status_code == 404
+    missing = await client.post("/v1/unload_lora_adapter", json={"lora_name": "lora-b"})
+    assert missing.status_code == 404
+    assert (await client.post("/v1/load_lora_adapter", json={})).status_code == 400
+
+
+async def test_each_instance_serves_its_own_models_when_given() -> None:
+    config = make_config(time_scale=FAST)
+    cluster = await start_instances(
+        config=config, ports=[0, 0, 0], serve=[("base-a", "sql-lora"), ("base-b",)]
+    )
+    try:
+        async with httpx.AsyncClient(timeout=5) as client:
+            served = [
+                [m["id"] for m in (await client.get(f"{m.url}/v1/models")).json()["data"]]
+                for m in cluster.members
+            ]
+            parents = {
+                m["id"]: m["parent"]
+                for m in (await client.get(f"{cluster.members[0].url}/v1/models")).json()["data"]
+            }
+    finally:
+        await cluster.stop()
+    assert served == [["base-a", "sql-lora"], ["base-b"], ["base-a", "sql-lora"]]
+    assert parents == {"base-a": None, "sql-lora": "base-a"}

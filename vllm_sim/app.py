@@ -13,6 +13,7 @@ Every response carries ``x-sim-instance: <name>`` and echoes the request's ``x-r
 from __future__ import annotations
 
 import contextlib
+import dataclasses
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -51,6 +52,19 @@ def _request_error(exc: RequestError) -> Response:
     if isinstance(exc, ModelNotFoundError):
         return _error(exc.message, status=404, err_type="NotFoundError", param=exc.param)
     return _error(exc.message, status=400, err_type="BadRequestError", param=exc.param)
+
+
+async def _lora_name(request: Request) -> tuple[str, Response | None]:
+    """The ``lora_name`` of a load/unload body, or the 400 answering a body without one."""
+    try:
+        body = orjson.loads(await request.body())
+    except orjson.JSONDecodeError:
+        body = None
+    name = body.get("lora_name") if isinstance(body, dict) else None
+    if not isinstance(name, str) or not name:
+        return "", _error("lora_name is required", status=400, err_type="BadRequestError",
+                          param="lora_name")
+    return name, None
 
 
 def _unavailable() -> Response:
@@ -150,6 +164,32 @@ class _Routes:
         } for name in config.served_models]
         return _json({"object": "list", "data": data})
 
+    async def load_lora_adapter(self, request: Request) -> Response:
+        """vLLM's runtime adapter loading (``VLLM_ALLOW_RUNTIME_LORA_UPDATING``): the adapter
+        is served under ``lora_name`` from now on."""
+        name, error = await _lora_name(request)
+        if error is not None:
+            return error
+        config = self.instance.config
+        if name in config.served_models:
+            return _error(f"The lora adapter '{name}' has already been loaded.", status=400,
+                          err_type="InvalidUserInput", param="lora_name")
+        self.instance.config = dataclasses.replace(
+            config, lora_modules=(*config.lora_modules, name))
+        return Response(f"Success: LoRA adapter '{name}' added successfully.")
+
+    async def unload_lora_adapter(self, request: Request) -> Response:
+        name, error = await _lora_name(request)
+        if error is not None:
+            return error
+        config = self.instance.config
+        if name not in config.lora_modules:
+            return _error(f"The lora adapter '{name}' cannot be found.", status=404,
+                          err_type="NotFoundError", param="lora_name")
+        self.instance.config = dataclasses.replace(
+            config, lora_modules=tuple(m for m in config.lora_modules if m != name))
+        return Response(f"Success: LoRA adapter '{name}' removed successfully.")
+
     async def health(self, request: Request) -> Response:
         if not await self.instance.faults.admit():
             return _unavailable()
@@ -193,6 +233,8 @@ def create_app(instance: SimInstance) -> ASGIApp:
         Route("/v1/completions", _guarded(r.completions), methods=["POST"]),
         Route("/v1/chat/completions", _guarded(r.chat), methods=["POST"]),
         Route("/v1/models", _guarded(r.models), methods=["GET"]),
+        Route("/v1/load_lora_adapter", _guarded(r.load_lora_adapter), methods=["POST"]),
+        Route("/v1/unload_lora_adapter", _guarded(r.unload_lora_adapter), methods=["POST"]),
         Route("/health", _guarded(r.health), methods=["GET"]),
         Route("/metrics", _guarded(r.metrics), methods=["GET"]),
         Route("/tokenize", _guarded(r.tokenize), methods=["POST"]),

@@ -60,6 +60,9 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--model", default=None, help="served model name (default: the profile's)")
     p.add_argument("--lora-modules", default="",
                    help="comma-separated extra served names (LoRA adapters)")
+    p.add_argument("--serve", action="append", default=[], metavar="MODEL[,ADAPTER...]",
+                   help="what one instance serves: its base model, then LoRA adapters; "
+                        "repeat per instance (cycled over the instances in port order)")
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
@@ -115,9 +118,12 @@ def main(argv: list[str] | None = None) -> int:
     try:
         overrides = overrides_from(args)
         make_config(args.profile, time_scale=args.time_scale, **overrides)  # validate early
+        serve = [tuple(n.strip() for n in spec.split(",") if n.strip()) for spec in args.serve]
+        if any(not served for served in serve):
+            raise SimConfigError("--serve needs a model name")
         _run(serve_instances(
             host=args.host, base_port=args.base_port, count=args.instances, ports=args.ports,
-            profile=args.profile, time_scale=args.time_scale, **overrides,
+            profile=args.profile, time_scale=args.time_scale, serve=serve, **overrides,
         ), args.loop)
     except SimConfigError as exc:
         print(f"vllm-sim: invalid settings: {exc}", file=sys.stderr)

@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import asyncio
 import contextlib
+import dataclasses
 import signal
 import socket
 import sys
@@ -92,15 +93,25 @@ def _bind(host: str, ports: Sequence[int]) -> list[socket.socket]:
     return sockets
 
 
+def serving(config: EngineConfig, served: Sequence[str]) -> EngineConfig:
+    """``config`` serving ``served``: the base model, then its LoRA adapters."""
+    return dataclasses.replace(config, model=served[0], lora_modules=tuple(served[1:]))
+
+
 async def start_instances(
     *, config: EngineConfig, host: str = "127.0.0.1", ports: Sequence[int],
+    serve: Sequence[Sequence[str]] = (),
 ) -> SimCluster:
-    """Start one instance per port in the running loop; returns when all accept requests."""
+    """Start one instance per port in the running loop; returns when all accept requests.
+
+    ``serve``: what each instance serves (base model, then adapters), cycled over the
+    instances in port order; empty: every instance serves ``config``'s."""
     sockets = _bind(host, ports)
     cluster = SimCluster(members=[])
     for index, sock in enumerate(sockets):
         port = sock.getsockname()[1]
-        instance = SimInstance(config, name=str(port), engine_index=0)
+        own = serving(config, serve[index % len(serve)]) if serve else config
+        instance = SimInstance(own, name=str(port), engine_index=0)
         uv_config = uvicorn.Config(
             create_app(instance), lifespan="off", log_config=None, log_level="warning",
             access_log=False, timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
@@ -151,6 +162,7 @@ async def serve_instances(
     ports: Sequence[int] | None = None,
     stop: asyncio.Event | None = None,
     on_ready: Callable[[SimCluster], None] | None = None,
+    serve: Sequence[Sequence[str]] = (),
     **overrides: Any,
 ) -> None:
     """Serve ``count`` instances (or one per port in ``ports``) until SIGINT/SIGTERM or ``stop``.
@@ -159,9 +171,12 @@ async def serve_instances(
     By default one ready line per instance is printed to stdout.
     """
     config = make_config(profile, time_scale=time_scale, **overrides)
+    for served in serve:
+        serving(config, served)  # validate before binding anything
     cluster = await start_instances(
         config=config, host=host, ports=resolve_ports(base_port=base_port, count=count,
                                                       ports=ports),
+        serve=serve,
     )
     stop = stop if stop is not None else asyncio.Event()
     loop = asyncio.get_running_loop()
