@@ -137,12 +137,14 @@ def start_xds_stack(
     backend_processes: bool = False,
     ext_procs: int = 1,
     sim_args: Sequence[str] | None = None,
+    models: Sequence[Sequence[str]] = (),
 ) -> tuple[XdsStack, list[ManagedProcess]]:
     """Start the stack with ``backends`` in the fleet and ``spare_backends`` running outside it.
 
     Backends are echo servers, or simulated vLLM instances (one process) when ``sim_args``
     is given. Every Envoy spreads its ext_proc streams over ``ext_procs`` replicas.
     Returns the stack and every Envoy (``envoy_nodes`` of them, node ids ``envoy-0``...).
+    ``models``: what each backend in the fleet declares it serves (in port order).
     """
     stack = XdsStack(namespace=namespace, log_dir=log_dir)
     stack.backend_ports = [free_port() for _ in range(backends + spare_backends)]
@@ -167,6 +169,8 @@ def start_xds_stack(
     doc: dict[str, Any] = {
         "instances": [{"address": "127.0.0.1", "port": p} for p in stack.backend_ports[:backends]]
     }
+    for instance, served in zip(doc["instances"], models, strict=False):
+        instance["models"] = list(served)
     if config is not None:
         doc["routing"] = config.to_json_dict()
     fleet_file.write_text(yaml.safe_dump(doc))
