@@ -7,8 +7,9 @@
 2. follow the shared state (pub/sub + periodic re-read) and publish one
    checked snapshot per version to every Envoy over ADS; write it back if
    Redis loses it (restarted empty: ``control_plane.restore``);
-3. run the drainer, the health probe and the fleet view (each instance's
-   vLLM ``/metrics``, every ``--fleet-scrape-interval`` seconds);
+3. run the drainer, the health probe, the fleet view (each instance's
+   vLLM ``/metrics``, every ``--fleet-scrape-interval`` seconds) and, with
+   ``--discover-models``, model discovery (each instance's ``/v1/models``);
 4. serve the admin API (uvicorn; also ``/metrics``, ``/fleet`` and the status
    page ``/ui``) and gRPC health on the xDS port.
 
@@ -43,6 +44,7 @@ from control_plane.callbacks import ClientRegistry
 from control_plane.drain import Drainer
 from control_plane.fleet_view import FleetView
 from control_plane.health import HealthProber
+from control_plane.models import ModelDiscovery
 from control_plane.publisher import Publisher, keep_names_resolved
 from control_plane.restore import StateKeeper
 from control_plane.service import AdminService
@@ -82,6 +84,9 @@ class Settings:
     fleet_window_s: float = 60.0
     fleet_scrape_timeout_s: float = 1.0
     fleet_metrics_path: str = "/metrics"
+    model_discovery: bool = False
+    """Learn each instance's models from its ``GET /v1/models`` (control_plane/models.py)."""
+    model_discovery_interval_s: float = 2.0
 
 
 def load_fleet_file(path: str) -> tuple[Fleet, RouterConfig | None]:
@@ -225,6 +230,9 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         tasks.append(asyncio.create_task(prober.run(stop), name="health"))
     if settings.fleet_scrape_interval_s > 0:
         tasks.append(asyncio.create_task(view.run(stop), name="fleet-view"))
+    if settings.model_discovery:
+        discovery = ModelDiscovery(store, interval_s=settings.model_discovery_interval_s)
+        tasks.append(asyncio.create_task(discovery.run(stop), name="model-discovery"))
     await grpc_server.start()
     for name in ("", ADS_SERVICE):
         await health_servicer.set(name, health_pb2.HealthCheckResponse.SERVING)
@@ -306,6 +314,18 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds one instance's /metrics may take",
     )
     p.add_argument("--fleet-metrics-path", default="/metrics", help="instances' metrics path")
+    p.add_argument(
+        "--discover-models",
+        action="store_true",
+        help="learn each instance's models (base and LoRA adapters) from its GET /v1/models; "
+        "declared models take precedence",
+    )
+    p.add_argument(
+        "--model-discovery-interval",
+        type=float,
+        default=2.0,
+        help="seconds between two rounds of model discovery",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -334,6 +354,8 @@ def main(argv: Sequence[str] | None = None) -> int:
         fleet_window_s=args.fleet_window,
         fleet_scrape_timeout_s=args.fleet_scrape_timeout,
         fleet_metrics_path=args.fleet_metrics_path,
+        model_discovery=args.discover_models,
+        model_discovery_interval_s=args.model_discovery_interval,
     )
 
     async def main_async() -> None:

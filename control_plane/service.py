@@ -25,6 +25,7 @@ from control_plane.callbacks import ClientRegistry
 from control_plane.drain import InFlightSource
 from control_plane.fleet_view import FleetView
 from control_plane.metrics import ControlPlaneCollector, render
+from control_plane.models import pools_doc
 from prefix_router.core.config import RouterConfig, parse_config
 from prefix_router.core.errors import FleetError
 from prefix_router.core.fleet import Fleet, Instance, InstanceState
@@ -223,6 +224,7 @@ class AdminService:
             "config_version": state.config.version,
             "published_snapshot": self.published_version(),
             "instances": instances,
+            "models": pools_doc(state.fleet.fleet),
             "xds_clients": self.clients.to_json_list() if self.clients else [],
         }
 
@@ -237,6 +239,8 @@ class AdminService:
         await self.view.refresh()
         doc = self.view.snapshot().to_json_dict()
         doc["published_snapshot"] = self.published_version()
+        state = self.view.state
+        doc["models"] = pools_doc(state.fleet.fleet) if state is not None else None
         doc["xds_clients"] = self.clients.to_json_list() if self.clients else []
         return doc
 
