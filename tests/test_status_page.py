@@ -158,6 +158,19 @@ def test_status_page_shows_the_fleet_and_follows_changes(
         # the log is text, never markup
         assert driver.execute_script("return document.querySelector('#processes script')") is None
         assert "<script>alert(1)</script>" in text(driver, "supervision-events")
+        # pools by model: hidden while the fleet declares none, shown once one instance does
+        assert not visible(driver, "pools-section")
+        with stack.admin() as admin:
+            r = admin.patch(f"/instances/{ids[0]}", json={"models": ["base-a"]})
+            assert r.status_code == 200, r.text
+        wait_for(lambda: visible(driver, "pools-section"), 30, "the pools are shown")
+        pools = {r[0]: r[1] for r in driver.execute_script(TABLE.replace("ID", "pools"))}
+        others = sorted({*ids, spare} - {ids[0]})
+        assert pools == {
+            "base-a": ", ".join(sorted([*ids, spare])),  # undeclared instances serve anything
+            "any other model": ", ".join(others),
+        }
+
         # no script error on the way: the only console entries are the refused requests
         errors = [e["message"] for e in driver.get_log("browser") if "401" not in e["message"]]
         assert errors == []

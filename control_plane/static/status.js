@@ -120,6 +120,8 @@ function renderFleet(f) {
     return tr;
   }));
 
+  renderPools(f.models);
+
   $("spills").tBodies[0].replaceChildren(...f.spills.map((s) => {
     const tr = el("tr");
     cell(tr, s.time ? new Date(s.time * 1000).toLocaleTimeString() : "–");
@@ -145,6 +147,25 @@ function renderFleet(f) {
   status.textContent = "updated " + new Date().toLocaleTimeString() +
     (problems.length ? " · " + problems.join(" · ") : "");
   status.className = problems.length ? "bad" : "muted";
+}
+
+// Pools by model (control_plane/models.py pools_doc); hidden for a fleet without models.
+function renderPools(m) {
+  const pooled = Boolean(m && m.pooled);
+  $("pools-section").hidden = !pooled;
+  if (!pooled) return;
+  const rows = Object.entries(m.pools).map(([model, ids]) => [model, ids]);
+  if (m.catch_all.length) rows.push(["any other model", m.catch_all]);
+  $("pools").tBodies[0].replaceChildren(...rows.map(([model, ids]) => {
+    const tr = el("tr");
+    tr.dataset.pool = model;
+    cell(tr, model);
+    cell(tr, ids.join(", ") || "none");
+    return tr;
+  }));
+  $("model-disagreements").textContent = m.disagreements.map((d) =>
+    d.instance + ": declared only " + (d.declared_only.join(", ") || "–") +
+    "; found only " + (d.discovered_only.join(", ") || "–")).join(" · ");
 }
 
 // prefix-router up's supervisor: every process, its restarts and the recent exits
