@@ -15,8 +15,10 @@ import pytest
 from prefix_router.core.errors import ConfigError
 from prefix_router.ops.procs import free_port
 from prefix_router.ops.up import resolve_settings
-from tests.conftest import REDIS_URL
+from tests.conftest import REDIS_URL, ProcessReaper
 from tests.support.processes import UpProcess, run_group, run_up
+from tests.support.running_stack import running_stack
+from tests.support.wait import wait_until
 
 pytestmark = pytest.mark.e2e
 
@@ -27,6 +29,12 @@ def test_flags_beat_env_beat_file(tmp_path: Path) -> None:
     env = {"PREFIX_ROUTER_PORT": "7101", "PREFIX_ROUTER_EXT_PROCS": "4"}
     settings, _ = resolve_settings(["--settings", str(settings_file), "--port", "7201"], env)
     assert (settings.port, settings.ext_procs, settings.admin_port) == (7201, 4, 7002)
+
+
+def test_what_each_simulator_serves_is_a_repeated_flag_or_a_semicolon_list() -> None:
+    flags, _ = resolve_settings(["--sim-serve", "base-a", "--sim-serve", "base-b,b-sql"], {})
+    env, _ = resolve_settings([], {"PREFIX_ROUTER_SIM_SERVE": "base-a;base-b,b-sql"})
+    assert flags.sim_serve == env.sim_serve == ["base-a", "base-b,b-sql"]
 
 
 def test_invalid_settings_are_one_clear_message(tmp_path: Path) -> None:
@@ -163,3 +171,36 @@ def run_readme_examples(banner: str, port: int, admin_port: int) -> None:
             ["bash", "-c", localise(command) + " --fail-with-body -sS"], timeout=30, env=env
         )
         assert done.returncode == 0, (command, done.stdout, done.stderr)
+
+
+def test_up_with_simulators_serving_several_models_routes_by_pool(
+    procs: ProcessReaper, tmp_path: Path
+) -> None:
+    """``--sim-serve`` per instance: the control plane discovers the pools, and each model's
+    requests reach only the instances serving it."""
+    serve = ["base-a", "base-a,a-sql", "base-b"]
+    with running_stack(procs, tmp_path, instances=3, sim_serve=serve) as stack:
+        ids = stack.instance_ids
+
+        def pools() -> dict[str, list[str]]:
+            with stack.admin() as admin:
+                return dict(admin.get("/status").json()["models"]["pools"])
+
+        wait_until(lambda: set(pools()) == {"base-a", "a-sql", "base-b"}, 30, "pools learned")
+        port_of = {i: i.rsplit(":", 1)[1] for i in ids}
+        found = pools()
+        with httpx.Client(timeout=30) as client:
+
+            def answered() -> bool:
+                r = client.get(f"{stack.url}/v1/models")
+                return r.status_code == 200 and len(r.json()["data"]) == 3
+
+            wait_until(answered, 30, "ext_proc lists the fleet's models")
+            for model, members in found.items():
+                for n in range(6):
+                    r = stack.chat(client, f"question {n}", model=model)
+                    assert r.status_code == 200, r.text
+                    assert r.headers["x-sim-instance"] in {port_of[i] for i in members}
+            unknown = stack.chat(client, "hi", model="base-c")
+            assert unknown.status_code == 404
+            assert unknown.json()["served_models"] == ["a-sql", "base-a", "base-b"]

@@ -86,6 +86,11 @@ class UpSettings(BaseModel):
     instances: int = Field(4, ge=1, le=64, description="simulated vLLM instances")
     sim_profile: str = Field("llama-3.1-70b-8xh100", description="simulator profile")
     sim_time_scale: float = Field(1.0, gt=0, description="simulator speed-up")
+    sim_serve: list[str] = Field(
+        default_factory=list,
+        description="what one simulated instance serves: MODEL[,ADAPTER...], cycled over the "
+        "instances; the control plane then discovers the pools",
+    )
     backend: list[str] = Field(default_factory=list, description="real backend URLs")
     fleet: str | None = Field(None, description="fleet YAML (instances and routing)")
     config: str | None = Field(None, description="routing config YAML")
@@ -102,6 +107,10 @@ class UpSettings(BaseModel):
         return self
 
 
+_LISTS = {"backend": ",", "sim_serve": ";"}
+"""Repeatable settings -> the separator of their env var's items."""
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="prefix-router up",
@@ -113,7 +122,7 @@ def _parser() -> argparse.ArgumentParser:
         flag = "--" + name.replace("_", "-")
         env = ENV_PREFIX + name.upper()
         help_ = f"{field.description} (env {env})"
-        if name == "backend":
+        if name in _LISTS:
             p.add_argument(flag, action="append", help=help_ + "; repeatable")
         else:
             p.add_argument(flag, help=help_)
@@ -152,7 +161,7 @@ def resolve_settings(
         if name == "redis_url" and env_value is None:
             env_value = environ.get("REDIS_URL")
         if env_value is not None:
-            merged[name] = env_value.split(",") if name == "backend" else env_value
+            merged[name] = env_value.split(_LISTS[name]) if name in _LISTS else env_value
         if args.get(name) is not None:
             merged[name] = args[name]
     try:
@@ -324,6 +333,7 @@ class Stack:
             s.sim_profile,
             "--time-scale",
             str(s.sim_time_scale),
+            *(arg for spec in s.sim_serve for arg in ("--serve", spec)),
         ]
         self._add(
             start_module("vllm-sim", "vllm_sim", args, self.log_dir, ready_ports=ports),
@@ -390,6 +400,8 @@ class Stack:
                 s.namespace,
                 "--fleet",
                 str(fleet_file),
+                # real backends, or simulators serving several models: learn the pools
+                *(["--discover-models"] if s.backend or s.sim_serve else []),
             ),
             self.log_dir / "control-plane.log",
             env=env,
@@ -429,7 +441,7 @@ class Stack:
         config_file.write_text(json.dumps(self.config.to_json_dict()))
         args = ["--host", s.host, "--config", str(config_file)]
         for inst in self.fleet.instances:
-            args += ["--backend", f"{inst.address}:{inst.port}:{inst.weight}"]
+            args += ["--backend", inst.to_url()]
         self._add(
             start_ext_proc(port, self.log_dir, name="ext_proc-0", args=args),
             ready=self._answers(port),

@@ -101,8 +101,10 @@ def running_stack(
     ext_procs: int = 1,
     sim_time_scale: float = 50.0,
     config: RouterConfig | None = None,
+    sim_serve: list[str] | None = None,
 ) -> Iterator[RunningStack]:
     settings = UpSettings(
+        sim_serve=sim_serve or [],
         port=free_port(),
         admin_port=free_port(),
         envoy_admin_port=free_port(),
