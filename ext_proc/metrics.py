@@ -42,7 +42,8 @@ class PrometheusCallbacks(RouterCallbacks):
             "prefix_router_ext_proc_decisions",
             "Routing decisions by outcome: home (to an instance holding the longest prefix), "
             "placed (nobody holds it), spilled (away from its holders: their queues outweighed "
-            "their cache), ring_only (routing store unavailable), no_instances, error.",
+            "their cache), ring_only (routing store unavailable), no_instances, unknown_model "
+            "(no instance serves the request's model: answered 404 by ext_proc), error.",
             ["outcome"],
             registry=self.registry,
         )
@@ -50,6 +51,14 @@ class PrometheusCallbacks(RouterCallbacks):
             "prefix_router_ext_proc_decision_seconds",
             "Time from the request body's arrival to the routing decision.",
             buckets=DECISION_BUCKETS,
+            registry=self.registry,
+        )
+        self.pool_decisions = Counter(
+            "prefix_router_ext_proc_pool_decisions",
+            "Routing decisions by pool: the request's model when the fleet declares models "
+            "(* for the catch-all), empty for the whole fleet. Unknown models are not a pool "
+            "(decisions_total{outcome=unknown_model}).",
+            ["pool"],
             registry=self.registry,
         )
         self.fallbacks = Counter(
@@ -104,9 +113,15 @@ class PrometheusCallbacks(RouterCallbacks):
         self._errors = self.decisions.labels("error")
         self._fallen_back = {r: self.fallbacks.labels(r.value) for r in Fallback}
         self._in_flight_of: dict[str, Gauge] = {}
+        self._pool_of: dict[str, Counter] = {}
 
     def on_decision(self, decision: RouteDecision, seconds: float, request_id: str) -> None:
         self._decided[decision.outcome].inc()
+        if decision.outcome is not Outcome.UNKNOWN_MODEL:  # a client's names: unbounded
+            pool = self._pool_of.get(decision.pool)
+            if pool is None:
+                pool = self._pool_of[decision.pool] = self.pool_decisions.labels(decision.pool)
+            pool.inc()
         self.decision_seconds.observe(seconds)
         if decision.outcome is Outcome.SPILLED:
             log.info(

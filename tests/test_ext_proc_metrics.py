@@ -64,3 +64,34 @@ def test_decisions_fallbacks_and_streams_are_counted(procs: ProcessReaper, log_d
     assert stats["cluster.ext_proc.upstream_rq_tx_reset"] == "0"
     in_flight = [v for (name, _), v in got.items() if name == "prefix_router_ext_proc_in_flight"]
     assert in_flight and set(in_flight) == {0}
+
+
+def test_unknown_models_and_each_pools_decisions_are_counted(
+    procs: ProcessReaper, log_dir: Path
+) -> None:
+    metrics_port = free_port()
+    stack = start_static_stack(
+        procs,
+        log_dir,
+        backends=3,
+        models=[["base-a"], ["base-a", "a-sql"], ["base-b"]],
+        ext_proc_args=["--metrics-port", str(metrics_port)],
+    )
+
+    def chat(model: str) -> bytes:
+        return json.dumps(
+            {"model": model, "messages": [{"role": "user", "content": "hi"}]}
+        ).encode()
+
+    with httpx.Client(timeout=10) as client:
+        for model, times in (("base-a", 2), ("a-sql", 3), ("nope", 4)):
+            for _ in range(times):
+                client.post(f"{stack.url}/v1/chat/completions", content=chat(model))
+        assert client.post(f"{stack.url}/v1/embeddings", content=b"not json").status_code == 200
+    got = samples(f"http://127.0.0.1:{metrics_port}/metrics")
+    assert got[("prefix_router_ext_proc_decisions_total", (("outcome", "unknown_model"),))] == 4
+    assert got[("prefix_router_ext_proc_pool_decisions_total", (("pool", "base-a"),))] == 2
+    assert got[("prefix_router_ext_proc_pool_decisions_total", (("pool", "a-sql"),))] == 3
+    # a body naming no model goes over the whole fleet (pool "")
+    assert got[("prefix_router_ext_proc_pool_decisions_total", (("pool", ""),))] == 1
+    assert ("prefix_router_ext_proc_pool_decisions_total", (("pool", "nope"),)) not in got
