@@ -119,6 +119,7 @@ async def test_instances_add_update_and_their_errors(admin: Admin) -> None:
         {"address": "h", "port": 70000},
         {"address": "h", "port": 1, "weight": 0},
         {"address": "h", "port": 1, "x": 1},
+        {"address": "h", "port": 1, "models": ["has space"]},  # not a cluster name
     ]
     for bad in bad_bodies:
         r = await c.post("/instances", json=bad)
@@ -127,6 +128,7 @@ async def test_instances_add_update_and_their_errors(admin: Admin) -> None:
     r = await c.patch(f"/instances/{new_id}", json={"weight": 5, "models": ["m2"]})
     assert r.json()["instance"]["weight"] == 5 and r.json()["instance"]["models"] == ["m2"]
     assert (await c.patch(f"/instances/{new_id}", json={"weight": 999})).status_code == 422
+    assert (await c.patch(f"/instances/{new_id}", json={"models": [""]})).status_code == 422
     assert (await c.patch("/instances/nope:1", json={"weight": 2})).status_code == 404
     assert (await c.delete("/instances/nope:1")).status_code == 404
     listed = (await c.get("/instances")).json()
