@@ -8,7 +8,10 @@ HTTP request, in two messages:
    (A header set here would be dropped by Envoy 1.40 in the body phase unless
    headers are SENT, which is why they are.)
 2. request body (the whole body, up to the 64 MiB limit) -> route it and set
-   ``x-prefix-key`` as a header mutation.
+   ``x-prefix-key`` as a header mutation; in a fleet with pools by model
+   (:mod:`prefix_router.core.pools`) also ``x-prefix-pool`` with the route cache cleared,
+   or, for a model no instance serves, an immediate 404 (Envoy answers it, no instance
+   is touched). A pooled fleet's ``GET /v1/models`` is answered immediately at step 1.
 
 Envoy keeps the stream open until the HTTP request ends (a streamed response's
 last byte, or a client abort), so the stream's end is the request's end: that

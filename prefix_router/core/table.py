@@ -11,6 +11,13 @@ prefix nobody holds may start); :meth:`RoutingTable.header_for` turns the chosen
 into the ``x-prefix-key`` value Envoy hashes: the key itself when the ring picks that
 instance for it (so Envoy alone would agree), else the instance's steering token.
 
+Pools (:mod:`.pools`): when the fleet declares models, the table also holds one
+:class:`Pool` per model (and the catch-all), each with the ring Envoy's cluster for that
+pool runs, its steering tokens and its identity tags. :meth:`RoutingTable.decide` decides
+within the pool of the key's model; instance indexes stay the table's, so the stores, the
+loads and the prefix index are the same whatever the pool. A fleet that declares no model
+has one pool, the whole fleet, and decides exactly as before.
+
 Identity tags are 16 bits (:func:`~prefix_router.core.index.identity_tag`); two instances
 of a fleet whose tags collide (about 3% of 64-instance fleets) are told apart by rehashing
 the later one's ring key, in ring-key order, so the tags of a fleet are distinct and an
