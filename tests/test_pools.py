@@ -224,11 +224,35 @@ def test_the_key_is_scoped_by_model_in_a_pooled_fleet_in_every_mode() -> None:
         (b"[1, 2]", None),
         (b"not json", None),
         (b"", None),
-        (b'{"model": "big", "input": "' + b"x" * 100 + b'"}', None),  # over the parse limit
     ],
 )
 def test_the_request_model_is_read_from_any_json_body(raw: bytes, model: str | None) -> None:
     assert request_model(raw, max_parse_bytes=64) == model
+
+
+IMAGE = b'"' + b"A" * 200_000 + b'"'  # a large base64 image: past the parse limit
+
+
+@pytest.mark.parametrize(
+    ("raw", "model"),
+    [
+        (b'{"model": "base-b", "messages": [{"content": ' + IMAGE + b"}]}", "base-b"),
+        # the OpenAI Python client writes the messages first: found in the body's tail
+        (b'{"messages": [{"content": ' + IMAGE + b'}], "model" :"base-\\u0062"}', "base-b"),
+        # a quoted "model" inside a string is escaped, so it is never taken for the field
+        (b'{"messages": [{"content": "say \\"model\\": \\"x\\" ' + b"A" * 200_000 + b'"}]}', None),
+        (b'{"messages": [{"content": ' + IMAGE + b"}]}", None),
+    ],
+)
+def test_a_body_too_large_to_parse_still_names_its_model(raw: bytes, model: str | None) -> None:
+    assert request_model(raw, max_parse_bytes=64 * 1024) == model
+
+
+def test_a_body_envoy_cut_short_names_its_model_from_its_start() -> None:
+    table = RoutingTable.build(TWO_MODELS, CONFIG)
+    start = b'{"model": "base-b", "messages": [{"role": "user", "content": "' + b"x" * 1000
+    key = extract_key(start, settings=table.key_settings, path=PATH, complete=False)
+    assert key.model == "base-b"
 
 
 def test_an_embeddings_request_finds_its_pool_by_its_model() -> None:

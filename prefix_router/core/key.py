@@ -147,22 +147,26 @@ def extract_key(
                 body, path=path, complete=complete, limit=limit, max_parse=settings.max_parse_bytes
             )
         except _Unrenderable as why:
-            model = _raw_model(body, settings) if why.reason in _PARSED_AGAIN else None
+            model = _raw_model(body, settings, complete) if why.reason in _PARSED_AGAIN else None
             return _key(tenant, "", body[:limit], settings, prompt_tokens, why.reason, model=model)
         return _key(tenant, salt, prefix, settings, prompt_tokens, None, output, model)
-    return _key(
-        tenant, "", body[:limit], settings, prompt_tokens, None, model=_raw_model(body, settings)
-    )
+    model = _raw_model(body, settings, complete)
+    return _key(tenant, "", body[:limit], settings, prompt_tokens, None, model=model)
 
 
-_PARSED_AGAIN = frozenset({Fallback.OTHER_PATH, Fallback.UNEXPECTED_SHAPE})
-"""Fallbacks whose body may still be a JSON object naming a model (embeddings, say)."""
+_PARSED_AGAIN = frozenset(
+    {Fallback.OTHER_PATH, Fallback.UNEXPECTED_SHAPE, Fallback.TOO_LARGE, Fallback.TRUNCATED}
+)
+"""Fallbacks whose body may still be a JSON object naming a model (embeddings, a large
+image, ...)."""
 
 
-def _raw_model(body: bytes, settings: KeySettings) -> str | None:
+def _raw_model(body: bytes, settings: KeySettings, complete: bool = True) -> str | None:
     """The ``model`` of a body ``openai`` mode did not render: looked for only when the
-    fleet routes by pool (a JSON parse of the body)."""
-    return request_model(body, settings.max_parse_bytes) if settings.by_model else None
+    fleet routes by pool (:func:`~prefix_router.core.pools.request_model`)."""
+    if not settings.by_model:
+        return None
+    return request_model(body, settings.max_parse_bytes, complete=complete)
 
 
 def _key(

@@ -25,6 +25,7 @@ Pure: no I/O.
 
 from __future__ import annotations
 
+import re
 from collections.abc import Iterable, Mapping, Sequence
 from dataclasses import dataclass
 from types import MappingProxyType
@@ -88,17 +89,43 @@ def layout(instances: Sequence[Instance]) -> PoolLayout:
     return PoolLayout(by_model=MappingProxyType(by_model), catch_all=catch_all)
 
 
-def request_model(body: bytes, max_parse_bytes: int) -> str | None:
-    """The ``model`` field of a JSON request body, or None (not JSON, too large to parse,
-    no string ``model``). Never raises."""
-    if not body or len(body) > max_parse_bytes or body.lstrip()[:1] != b"{":
+SCAN_BYTES = 64 * 1024
+"""Of a body too large to parse, the model is looked for in this many bytes at its start
+and at its end (clients write ``model`` before or after the messages)."""
+_MODEL_FIELD = re.compile(rb'"model"\s*:\s*("(?:[^"\\]|\\.)*")')
+
+
+def request_model(body: bytes, max_parse_bytes: int, *, complete: bool = True) -> str | None:
+    """The ``model`` field of a JSON request body, or None (not JSON, no string
+    ``model``). Never raises.
+
+    A body larger than ``max_parse_bytes``, or only the start of one (``complete``
+    False), is not parsed: its first ``"model": "..."`` in the first or last
+    :data:`SCAN_BYTES` is taken. In JSON a bare ``"`` only delimits strings, so that text
+    can only be a ``model`` member (the request's, unless an object inside it has one
+    before it)."""
+    if not body or body.lstrip()[:1] != b"{":
         return None
+    if len(body) > max_parse_bytes or not complete:
+        return _scanned_model(body)
     try:
         request = orjson.loads(body)
     except (orjson.JSONDecodeError, RecursionError):
         return None
     model = request.get("model") if isinstance(request, dict) else None
     return model if isinstance(model, str) else None
+
+
+def _scanned_model(body: bytes) -> str | None:
+    for part in (body[:SCAN_BYTES], body[-SCAN_BYTES:]):
+        found = _MODEL_FIELD.search(part)
+        if found is not None:
+            try:
+                model = orjson.loads(found.group(1))
+            except orjson.JSONDecodeError:
+                return None
+            return model if isinstance(model, str) else None
+    return None
 
 
 def unknown_model_body(model: str, served: Iterable[str]) -> bytes:
