@@ -289,3 +289,12 @@ def test_model_names_must_fit_a_cluster_name_and_a_header() -> None:
     assert Instance.from_url("10.0.0.1:8001:2#base-a, a-sql").models == ("base-a", "a-sql")
     back = Instance.from_url(inst(8001, "base-a", "a-sql").to_url())
     assert back == inst(8001, "base-a", "a-sql")
+
+
+def test_pools_of_the_same_instances_share_one_ring_and_keep_their_names() -> None:
+    fleet = Fleet.of([inst(8001, "base-a", "a-sql", "a-chat"), inst(8002, "base-a", "a-sql")])
+    table = RoutingTable.build(fleet, CONFIG)
+    base, sql, chat = (table.pools[m] for m in ("base-a", "a-sql", "a-chat"))
+    assert sql.ring is base.ring and chat.ring is not base.ring
+    assert (base.header, sql.header) == ("models/base-a", "models/a-sql")
+    assert sql.name == "a-sql"

@@ -27,7 +27,7 @@ instance keeps its tag while the others come and go.
 from __future__ import annotations
 
 from collections.abc import Mapping, Sequence
-from dataclasses import dataclass, field
+from dataclasses import dataclass, field, replace
 from itertools import islice
 
 from prefix_router.core.config import PrefixMatch, RouterConfig
@@ -150,11 +150,17 @@ class RoutingTable:
         lay = layout(fleet.instances)
         index = {h.id: i for i, h in enumerate(hosts)}
 
+        built: dict[tuple[int, ...], Pool] = {}
+
         def pool(name: str, instances: Sequence[Instance]) -> Pool:
-            members = [index[i.id] for i in instances if i.id in index]
-            return Pool.build(
+            members = tuple(index[i.id] for i in instances if i.id in index)
+            same = built.get(members)  # pools of the same instances share one ring
+            if same is not None:
+                return replace(same, name=name, header=cluster_name(name))
+            built[members] = Pool.build(
                 name, cluster_name(name), hosts, members, tags, entries_per_weight=k, width=width
             )
+            return built[members]
 
         pools = {name: pool(name, insts) for name, insts in lay.by_model.items()}
         catch_all = pool(CATCH_ALL, lay.catch_all) if lay.pooled and lay.catch_all else None
