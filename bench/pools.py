@@ -69,6 +69,8 @@ class PooledSimulation(Simulation):
         serve: Sequence[Sequence[str]],
         mix: Mapping[str, float],
     ) -> None:
+        if settings.policy is Policy.CACHE_AWARE:
+            raise ValueError("cache-aware routes over the whole fleet: no pools to compare")
         super().__init__(workload, settings)
         served = [tuple(s) for s in serve]
         self.serve = served

@@ -45,6 +45,8 @@ def test_the_router_beats_round_robin_and_nears_the_per_pool_bound() -> None:
     assert router.hit_rate >= 0.9 * router.bounds.fleet_lru
 
 
-def test_a_model_nobody_serves_is_refused_up_front() -> None:
+def test_a_model_nobody_serves_or_a_policy_without_pools_is_refused_up_front() -> None:
     with pytest.raises(ValueError, match="nobody serves"):
         run(Policy.ROUND_ROBIN, serve=[["base-a"], ["base-b"]])
+    with pytest.raises(ValueError, match="no pools"):
+        run(Policy.CACHE_AWARE)
