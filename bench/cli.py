@@ -4,11 +4,14 @@
     prefix-router bench des    --workload rag --instances 128 --resize 600:+32,1200:-32
     prefix-router bench drive  --url http://router:8080 --instance http://vllm-1:8000 ...
     prefix-router bench report DIR
+    prefix-router bench capacity --workload rag --instances 8 --out bench/results/capacity
 
 ``run`` starts, per policy, fresh simulated instances and the real stack in front of them
 (:mod:`.live`); ``des`` runs the same workload and routing code in virtual time
 (:mod:`.des`); ``drive`` measures an already running router and fleet (real vLLM too);
-``report`` rebuilds the markdown and PNGs from the saved JSON results. Results go to
+``report`` rebuilds the markdown and PNGs from the saved JSON results; ``capacity`` finds, in the
+simulation, each policy's highest rate within a TTFT objective and the fleet each needs for
+one load (:mod:`.capacity`). Results go to
 ``--out`` as ``<workload>/<mode>-<policy>.json`` plus ``report.md`` and PNGs.
 """
 
@@ -34,7 +37,7 @@ from bench.spec import Workload
 from bench.trace import TraceOptions, load_trace
 from bench.workloads import WORKLOADS, describe, generate, make_params
 from prefix_router.core.config import RouterConfig
-from vllm_sim.config import make_config
+from vllm_sim.config import EngineConfig, make_config
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
@@ -91,7 +94,41 @@ def _parser() -> argparse.ArgumentParser:
     drive.add_argument("--max-duration", type=float, default=1800.0)
     report = sub.add_parser("report", help="rebuild report.md and PNGs from saved results")
     report.add_argument("folder", type=Path)
+    _capacity_args(sub.add_parser(
+        "capacity", help="highest rate within a TTFT objective, fleet needed (DES)"))
     return parser
+
+
+def _capacity_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--workload", default="system-prompt",
+                   help=f"comma-separated: {', '.join(WORKLOADS)}")
+    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
+                   help="workload parameter (repeatable), e.g. --set docs=96")
+    p.add_argument("--out", type=Path, default=Path("bench/results/capacity"))
+    _fleet_args(p)
+    p.set_defaults(instances=8, policies="all", requests=None, rate=None, seed=None)
+    g = p.add_argument_group("objective")
+    g.add_argument("--p50", type=float, default=0.5, help="P50 TTFT bound (s)")
+    g.add_argument("--p99", type=float, default=2.0, help="P99 TTFT bound (s)")
+    g.add_argument("--max-errors", type=int, default=0)
+    g = p.add_argument_group("each run")
+    g.add_argument("--run-requests", type=int, default=2000, help="at least this many")
+    g.add_argument("--min-duration", type=float, default=0.0,
+                   help="and at least this many model seconds of new arrivals")
+    g.add_argument("--warmup", type=float, default=0.25,
+                   help="fraction of the arrivals' span not measured")
+    g = p.add_argument_group("search")
+    g.add_argument("--start", type=float, default=10.0, help="first rate tried (req/s)")
+    g.add_argument("--seeds", type=int, default=3, help="seeds 1..N; a rate passes on all")
+    g.add_argument("--factor", type=float, default=1.4, help="bracketing step")
+    g.add_argument("--precision", type=float, default=0.05, help="relative, hi/lo - 1")
+    g.add_argument("--max-rate", type=float, default=2000.0)
+    g = p.add_argument_group("instances saved")
+    g.add_argument("--fleet-load", type=float,
+                   help="offered rate (default: round robin's capacity); 0 skips the search")
+    g.add_argument("--fleet-min", type=int, default=4)
+    g.add_argument("--fleet-max", type=int, default=64)
+    p.add_argument("--jobs", type=int, default=1, help="processes (policies in parallel)")
 
 
 def _overrides(args: argparse.Namespace) -> dict[str, str | int | float]:
@@ -201,13 +238,17 @@ def _run(args: argparse.Namespace) -> int:
     return 0
 
 
-def _des(args: argparse.Namespace) -> int:
+def _engine(args: argparse.Namespace) -> EngineConfig:
     overrides: dict[str, float] = {}
     if args.num_gpu_blocks:
         overrides["num_gpu_blocks"] = args.num_gpu_blocks
     if args.prefill_tokens_per_s:
         overrides["prefill_tokens_per_s"] = args.prefill_tokens_per_s
-    engine = make_config(args.profile, **overrides)
+    return make_config(args.profile, **overrides)
+
+
+def _des(args: argparse.Namespace) -> int:
+    engine = _engine(args)
     for workload, params in _workloads(args):
         folder = _folder(args.out, workload)
         for policy in parse_policies(args.policies):
@@ -223,6 +264,36 @@ def _des(args: argparse.Namespace) -> int:
             result.save(folder / f"des-{policy.value}.json")
             print(_summary(result), file=sys.stderr)
     write_report(args.out)
+    return 0
+
+
+def _capacity(args: argparse.Namespace) -> int:
+    from bench import capacity
+
+    objective = capacity.Objective(p50_s=args.p50, p99_s=args.p99, max_errors=args.max_errors)
+    plan = capacity.RunPlan(requests=args.run_requests, min_duration_s=args.min_duration,
+                            warmup=args.warmup)
+    search = capacity.SearchSettings(start=args.start, seeds=tuple(range(1, args.seeds + 1)),
+                                     factor=args.factor, precision=args.precision,
+                                     max_rate=args.max_rate)
+    fleet = None if args.fleet_load == 0 else capacity.FleetSettings(
+        load=args.fleet_load, lo=args.fleet_min, hi=args.fleet_max)
+    engine = _engine(args)
+    fleet_text = (f"{args.instances} instances of {args.profile}, "
+                  f"{engine.num_gpu_blocks:,} KV blocks of {engine.block_size} tokens, "
+                  f"prefill {engine.cost.prefill_tokens_per_s:,.0f} tokens/s")
+    overrides = _overrides(args)
+    for name in filter(None, (n.strip() for n in args.workload.split(","))):
+        print(f"capacity {name}: {objective}; {fleet_text}", file=sys.stderr)
+        result = capacity.sweep(
+            name, overrides, policies=capacity.parse_policies(args.policies), engine=engine,
+            router=_router(args), instances=args.instances, plan=plan, objective=objective,
+            search=search, fleet=fleet, jobs=args.jobs,
+            params=capacity.describe_fixed(make_params(name, overrides)),
+            fleet_text=fleet_text)
+        print(capacity.summary(result), file=sys.stderr)
+        capacity.save(result, args.out)
+    print(capacity.write_report(args.out))
     return 0
 
 
@@ -331,6 +402,8 @@ def main(argv: Sequence[str] | None = None) -> int:
             return _des(args)
         if args.command == "drive":
             return _drive(args)
+        if args.command == "capacity":
+            return _capacity(args)
         print(write_report(args.folder))
         return 0
     except ValueError as exc:

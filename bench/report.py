@@ -25,6 +25,7 @@ _COLORS = {
     "prefix": "#1f77b4",
     "prefix-spill": "#d62728",
     "prefix-fixed": "#ff7f0e",
+    "cache-aware": "#2ca02c",
 }
 
 
@@ -328,3 +329,71 @@ def check_goals(
                      f"{_ms(spill.ttft(99))} ms vs {_ms(nospill.ttft(99))} ms without spill "
                      f"({verdict(spill.ttft(99) < nospill.ttft(99))})")
     return lines
+
+
+# -- capacity (bench/capacity.py) -------------------------------------------------------------
+
+CurvePoint = tuple[float, float, float]
+"""``(offered rate, TTFT P50 s, TTFT P99 s)`` of one run."""
+
+
+def plot_capacity(curves: Mapping[str, Sequence[CurvePoint]], knees: Mapping[str, float | None],
+                  objective: tuple[float, float], path: Path, title: str) -> None:
+    """TTFT P50 (dashed) and P99 (solid) against offered rate per policy, the objective's
+    bounds in black, each policy's knee (its capacity) as a dotted vertical line."""
+    plt = _pyplot()
+    fig, ax = plt.subplots(figsize=(6.4, 3.8))
+    for policy, points in curves.items():
+        color = _COLORS.get(policy)
+        ordered = sorted(points)
+        xs = [p[0] for p in ordered]
+        ax.plot(xs, [p[1] * 1000 for p in ordered], ls="--", marker=".", color=color, lw=1)
+        ax.plot(xs, [p[2] * 1000 for p in ordered], ls="-", marker=".", color=color, lw=1.5,
+                label=policy)
+        knee = knees.get(policy)
+        if knee:
+            ax.axvline(knee, ls=":", color=color, lw=1.2)
+            ax.annotate(f"{knee:.3g}", (knee, objective[1] * 1000), color=color, fontsize=7,
+                        rotation=90, va="bottom", ha="right")
+    p50, p99 = objective
+    ax.axhline(p50 * 1000, color="black", ls="--", lw=0.8, label=f"objective P50 {p50:g} s")
+    ax.axhline(p99 * 1000, color="black", ls="-", lw=0.8, label=f"objective P99 {p99:g} s")
+    ax.set_yscale("log")
+    ax.set_ylim(top=p99 * 1000 * 20)  # far past the knee TTFT grows without bound
+    ax.set_xlabel("offered rate (requests/s, model time)")
+    ax.set_ylabel("TTFT ms (P99 solid, P50 dashed)")
+    ax.set_title(f"TTFT against offered rate: {title}")
+    ax.grid(True, which="both", alpha=0.3)
+    ax.legend(fontsize=7, loc="upper left")
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
+
+
+def plot_fleet_needs(needs: Mapping[str, Mapping[str, int | None]], path: Path, title: str,
+                     reference: int | None = None) -> None:
+    """Instances each policy needs per workload (bars grouped by workload); a policy that
+    needs more than the search's largest fleet has no bar."""
+    plt = _pyplot()
+    workloads = list(needs)
+    policies = list(dict.fromkeys(p for per in needs.values() for p in per))
+    fig, ax = plt.subplots(figsize=(max(6.4, 1.1 * len(workloads) + 2), 3.6))
+    width = 0.8 / max(1, len(policies))
+    for k, policy in enumerate(policies):
+        xs = [j + k * width for j in range(len(workloads))]
+        heights = [needs[w].get(policy) or 0 for w in workloads]
+        bars = ax.bar(xs, heights, width, label=policy, color=_COLORS.get(policy))
+        for bar, h in zip(bars, heights, strict=True):
+            if h:
+                ax.annotate(str(h), (bar.get_x() + bar.get_width() / 2, h), ha="center",
+                            va="bottom", fontsize=7)
+    if reference:
+        ax.axhline(reference, color="black", ls=":", lw=1)
+    ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))])
+    ax.set_xticklabels(workloads, fontsize=7)
+    ax.set_ylabel("instances needed")
+    ax.set_title(title)
+    ax.legend(fontsize=7, ncol=min(len(policies), 5))
+    fig.tight_layout()
+    fig.savefig(path)
+    plt.close(fig)
