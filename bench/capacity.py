@@ -33,9 +33,9 @@ from __future__ import annotations
 import math
 import sys
 import time
-from collections.abc import Callable, Iterator, Sequence
+from collections.abc import Callable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
-from dataclasses import asdict, dataclass, field
+from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
 from typing import Any
 
@@ -490,6 +490,18 @@ class WorkloadCapacity:
         return next((n for n in self.needs if n.policy == policy), None)
 
 
+def parse_starts(text: str) -> dict[str, float]:
+    """``"30,prefix=120"`` -> ``{"": 30, "prefix": 120}`` (``""``: every other policy)."""
+    out: dict[str, float] = {"": 10.0}
+    for part in filter(None, (p.strip() for p in text.split(","))):
+        name, sep, value = part.rpartition("=")
+        try:
+            out[name.strip() if sep else ""] = float(value)
+        except ValueError:
+            raise ValueError(f"--start {part!r}: expected RATE or POLICY=RATE") from None
+    return out
+
+
 def describe_fixed(params: Common) -> str:
     """The workload's parameters but those each probe sets (rate, requests, seed)."""
     return ", ".join(part for part in describe(params).split(", ")
@@ -507,15 +519,19 @@ def _setups(workload: str, overrides: dict[str, str | int | float],
 def sweep(workload: str, overrides: dict[str, str | int | float], *,
           policies: Sequence[Policy], engine: EngineConfig, router: RouterConfig,
           instances: int, plan: RunPlan, objective: Objective, search: SearchSettings,
-          fleet: FleetSettings | None, jobs: int = 1, params: str = "", fleet_text: str = "",
+          fleet: FleetSettings | None, starts: Mapping[str, float] | None = None,
+          jobs: int = 1, params: str = "", fleet_text: str = "",
           verbose: bool = True) -> WorkloadCapacity:
     """Each policy's capacity on ``workload``, then (``fleet``) the fleet each needs for
-    one offered load; policies run in ``jobs`` processes."""
+    one offered load; policies run in ``jobs`` processes. ``starts`` maps a policy to the
+    rate its search starts from (default: ``search.start``)."""
     began, cpu = time.monotonic(), time.process_time()
     setups = _setups(workload, overrides, policies, engine, router, plan, objective)
+    searches = [replace(search, start=(starts or {}).get(p.value, search.start))
+                for p in policies]
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
         capacities = list(pool.map(find_capacity, setups, [instances] * len(setups),
-                                   [search] * len(setups), [verbose] * len(setups)))
+                                   searches, [verbose] * len(setups)))
         out = WorkloadCapacity(workload=workload, params=params, fleet=fleet_text,
                                instances=instances, objective=objective, plan=plan,
                                search=search, capacities=capacities)
@@ -753,8 +769,9 @@ def write_report(folder: Path) -> Path:
                   "|---" * (len(policies) + 3) + "|"]
         for r in with_needs:
             counts = {n.policy: n.search.instances for n in r.needs}
-            cells = " | ".join("-" if p not in counts else (str(counts[p]) if counts[p]
-                               else "> max") for p in policies)
+            low, high = r.fleet_range
+            cells = " | ".join(_fleet_cell(counts.get(p), p in counts, low, high)
+                               for p in policies)
             rr, spill = counts.get(BASELINE), counts.get(PRODUCT)
             saved = (f"{rr - spill} ({(rr - spill) / rr:.0%})" if rr and spill else "-")
             lines.append(f"| {r.workload} | {r.load:.3g} | {cells} | {saved} |")
@@ -787,6 +804,14 @@ def write_report(folder: Path) -> Path:
     out = folder / "report.md"
     out.write_text("\n".join(lines))
     return out
+
+
+def _fleet_cell(n: int | None, searched: bool, low: int, high: int) -> str:
+    if not searched:
+        return "-"
+    if n is None:
+        return f"> {high}"
+    return f"<= {n}" if n == low else str(n)
 
 
 def _finite(x: float) -> float:

@@ -118,7 +118,8 @@ def _capacity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--warmup", type=float, default=0.25,
                    help="fraction of the arrivals' span not measured")
     g = p.add_argument_group("search")
-    g.add_argument("--start", type=float, default=10.0, help="first rate tried (req/s)")
+    g.add_argument("--start", default="10",
+                   help="first rate tried (req/s), or per policy: 30,prefix=120,...")
     g.add_argument("--seeds", type=int, default=3, help="seeds 1..N; a rate passes on all")
     g.add_argument("--factor", type=float, default=1.4, help="bracketing step")
     g.add_argument("--precision", type=float, default=0.05, help="relative, hi/lo - 1")
@@ -273,7 +274,8 @@ def _capacity(args: argparse.Namespace) -> int:
     objective = capacity.Objective(p50_s=args.p50, p99_s=args.p99, max_errors=args.max_errors)
     plan = capacity.RunPlan(requests=args.run_requests, min_duration_s=args.min_duration,
                             warmup=args.warmup)
-    search = capacity.SearchSettings(start=args.start, seeds=tuple(range(1, args.seeds + 1)),
+    starts = capacity.parse_starts(args.start)
+    search = capacity.SearchSettings(start=starts[""], seeds=tuple(range(1, args.seeds + 1)),
                                      factor=args.factor, precision=args.precision,
                                      max_rate=args.max_rate)
     fleet = None if args.fleet_load == 0 else capacity.FleetSettings(
@@ -288,7 +290,7 @@ def _capacity(args: argparse.Namespace) -> int:
         result = capacity.sweep(
             name, overrides, policies=capacity.parse_policies(args.policies), engine=engine,
             router=_router(args), instances=args.instances, plan=plan, objective=objective,
-            search=search, fleet=fleet, jobs=args.jobs,
+            search=search, starts=starts, fleet=fleet, jobs=args.jobs,
             params=capacity.describe_fixed(make_params(name, overrides)),
             fleet_text=fleet_text)
         print(capacity.summary(result), file=sys.stderr)
