@@ -219,6 +219,8 @@ def _run(args: argparse.Namespace) -> int:
     sim_args: tuple[str, ...] = ()
     if args.num_gpu_blocks:
         sim_args = ("--num-gpu-blocks", str(args.num_gpu_blocks))
+    if args.prefill_tokens_per_s:  # as `des` takes it, so both run the same instances
+        sim_args += ("--prefill-tokens-per-s", str(args.prefill_tokens_per_s))
     settings = LiveSettings(
         router=_router(args), instances=args.instances, sim_profile=args.profile,
         sim_args=sim_args, sim_procs=args.sim_procs, time_scale=args.time_scale,
