@@ -1,6 +1,6 @@
 """Reproduce bench/results/capacity: capacity at a TTFT objective, per policy and workload.
 
-    python bench/scripts/capacity.py sweep    # every workload x policy in the DES (~30 min)
+    python bench/scripts/capacity.py sweep    # every workload x policy in the DES (~25 min)
     python bench/scripts/capacity.py live     # one knee through the real stack vs the DES
     python bench/scripts/capacity.py report   # rebuild report.md and the PNGs
 
@@ -36,15 +36,17 @@ of 16) and a prefill rate of 12,000 tokens/s: the fleet every capacity figure is
 SINGLE_TURN = ["--run-requests", "2000", "--warmup", "0.25"]
 """2,000 requests a run, the first quarter of the run's span not measured: the P99 over
 ~1,500 requests at the knee, once caches have warmed."""
-MULTI_TURN = ["--run-requests", "2000", "--min-duration", "150", "--warmup", "0.4"]
+MULTI_TURN = ["--run-requests", "2000", "--min-duration", "100", "--warmup", "0.5",
+              "--seeds", "2"]
 """Conversations live ~70 s (4.5 thinking gaps of 10 s mean, plus answers): runs of at least
-150 s of new arrivals, the first 60 s not measured, so the window sees as many conversations
-ending as starting."""
+100 s of new arrivals, the first 50 s not measured. At chat's knee (~200 requests/s) that is
+20,000 requests a run, 10,000 measured (a P99 over 100 tail requests, where single-turn runs
+have 15), so two seeds; each run costs ~30 CPU s."""
 
 WORKLOADS: dict[str, list[str]] = {
     "system-prompt": [*SINGLE_TURN, "--start", "27,prefix=130,prefix-spill=32"],
     "rag": [*SINGLE_TURN, "--start", "25,prefix=90,prefix-spill=35"],
-    "chat": [*MULTI_TURN, "--start", "60,prefix=90,prefix-spill=90"],
+    "chat": [*MULTI_TURN, "--start", "190,prefix=250,prefix-spill=250"],
     "long-system-chat": [*MULTI_TURN, "--start", "30,prefix=60,prefix-spill=60"],
     "trace-like": [*SINGLE_TURN, "--start", "25,prefix=50,prefix-spill=40"],
     "code": [*SINGLE_TURN, "--start", "35,prefix=60,prefix-spill=50"],
