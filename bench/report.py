@@ -343,7 +343,7 @@ def plot_capacity(curves: Mapping[str, Sequence[CurvePoint]], knees: Mapping[str
     bounds in black, each policy's knee (its capacity) as a dotted vertical line."""
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6.4, 3.8))
-    for policy, points in curves.items():
+    for k, (policy, points) in enumerate(curves.items()):
         color = _COLORS.get(policy)
         ordered = sorted(points)
         xs = [p[0] for p in ordered]
@@ -353,8 +353,8 @@ def plot_capacity(curves: Mapping[str, Sequence[CurvePoint]], knees: Mapping[str
         knee = knees.get(policy)
         if knee:
             ax.axvline(knee, ls=":", color=color, lw=1.2)
-            ax.annotate(f"{knee:.3g}", (knee, objective[1] * 1000), color=color, fontsize=7,
-                        rotation=90, va="bottom", ha="right")
+            ax.annotate(f"{knee:.3g}", (knee, objective[1] * 1000 * 1.6 ** k), color=color,
+                        fontsize=7, ha="right", va="bottom")  # staggered: knees may be close
     p50, p99 = objective
     ax.axhline(p50 * 1000, color="black", ls="--", lw=0.8, label=f"objective P50 {p50:g} s")
     ax.axhline(p99 * 1000, color="black", ls="-", lw=0.8, label=f"objective P99 {p99:g} s")
