@@ -521,10 +521,11 @@ def sweep(workload: str, overrides: dict[str, str | int | float], *,
           instances: int, plan: RunPlan, objective: Objective, search: SearchSettings,
           fleet: FleetSettings | None, starts: Mapping[str, float] | None = None,
           jobs: int = 1, params: str = "", fleet_text: str = "",
-          verbose: bool = True) -> WorkloadCapacity:
+          previous: WorkloadCapacity | None = None, verbose: bool = True) -> WorkloadCapacity:
     """Each policy's capacity on ``workload``, then (``fleet``) the fleet each needs for
     one offered load; policies run in ``jobs`` processes. ``starts`` maps a policy to the
-    rate its search starts from (default: ``search.start``)."""
+    rate its search starts from (default: ``search.start``); ``previous`` (an earlier sweep
+    of the same workload and settings) gives round robin's capacity when it is not rerun."""
     began, cpu = time.monotonic(), time.process_time()
     setups = _setups(workload, overrides, policies, engine, router, plan, objective)
     searches = [replace(search, start=(starts or {}).get(p.value, search.start))
@@ -536,7 +537,11 @@ def sweep(workload: str, overrides: dict[str, str | int | float], *,
                                instances=instances, objective=objective, plan=plan,
                                search=search, capacities=capacities)
         if fleet is not None:
-            rr = out.capacity(Policy.ROUND_ROBIN.value)
+            comparable = previous is not None and (previous.instances, previous.objective,
+                                                   previous.plan) == (instances, objective, plan)
+            rr = out.capacity(Policy.ROUND_ROBIN.value) or (
+                previous.capacity(Policy.ROUND_ROBIN.value)
+                if previous is not None and comparable else None)
             load = fleet.load if fleet.load is not None else (rr.search.lo if rr else None)
             if load is None:
                 raise ValueError("the fleet search needs a load: round robin's capacity or "
@@ -553,6 +558,30 @@ def sweep(workload: str, overrides: dict[str, str | int | float], *,
                  + sum(p.cpu_s for c in out.capacities for p in c.probes)
                  + sum(p.cpu_s for n in out.needs for p in n.probes))
     return out
+
+
+def same_settings(a: WorkloadCapacity, b: WorkloadCapacity) -> bool:
+    """Whether two sweeps measured the same thing (their results can sit in one table)."""
+    return (a.workload, a.params, a.fleet, a.instances, a.objective, a.plan, a.search.seeds,
+            a.search.precision) == (b.workload, b.params, b.fleet, b.instances, b.objective,
+                                    b.plan, b.search.seeds, b.search.precision)
+
+
+def merge(previous: WorkloadCapacity, new: WorkloadCapacity) -> WorkloadCapacity:
+    """``new`` with the policies only ``previous`` measured (same settings, and the same
+    fleet-search load for its fleet needs), in policy order; runtimes add up."""
+    order = {p.value: i for i, p in enumerate(Policy)}
+    ran = {c.policy for c in new.capacities}
+    new.capacities = sorted([*new.capacities,
+                             *(c for c in previous.capacities if c.policy not in ran)],
+                            key=lambda c: order.get(c.policy, 99))
+    if previous.load == new.load:
+        searched = {n.policy for n in new.needs}
+        new.needs = sorted([*new.needs, *(n for n in previous.needs if n.policy not in searched)],
+                           key=lambda n: order.get(n.policy, 99))
+    new.wall_s += previous.wall_s
+    new.cpu_s += previous.cpu_s
+    return new
 
 
 # -- persistence ------------------------------------------------------------------------------
@@ -612,6 +641,11 @@ def save(result: WorkloadCapacity, folder: Path) -> Path:
     folder.mkdir(parents=True, exist_ok=True)
     path.write_bytes(orjson.dumps(to_json(result), option=orjson.OPT_INDENT_2))
     return path
+
+
+def load_one(folder: Path, workload: str) -> WorkloadCapacity | None:
+    path = folder / f"{workload}.json"
+    return from_json(orjson.loads(path.read_bytes())) if path.exists() else None
 
 
 def load_all(folder: Path) -> list[WorkloadCapacity]:

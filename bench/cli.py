@@ -289,12 +289,15 @@ def _capacity(args: argparse.Namespace) -> int:
     overrides = _overrides(args)
     for name in filter(None, (n.strip() for n in args.workload.split(","))):
         print(f"capacity {name}: {objective}; {fleet_text}", file=sys.stderr)
+        params = capacity.describe_fixed(make_params(name, overrides))
         result = capacity.sweep(
             name, overrides, policies=capacity.parse_policies(args.policies), engine=engine,
             router=_router(args), instances=args.instances, plan=plan, objective=objective,
-            search=search, starts=starts, fleet=fleet, jobs=args.jobs,
-            params=capacity.describe_fixed(make_params(name, overrides)),
-            fleet_text=fleet_text)
+            search=search, starts=starts, fleet=fleet, jobs=args.jobs, params=params,
+            fleet_text=fleet_text, previous=capacity.load_one(args.out, name))
+        previous = capacity.load_one(args.out, name)
+        if previous is not None and capacity.same_settings(previous, result):
+            result = capacity.merge(previous, result)  # keep the policies not rerun
         print(capacity.summary(result), file=sys.stderr)
         capacity.save(result, args.out)
     print(capacity.write_report(args.out))
