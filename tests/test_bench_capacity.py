@@ -10,15 +10,25 @@ from pathlib import Path
 import pytest
 
 from bench.capacity import (
+    Capacity,
+    FleetNeed,
+    FleetSearch,
     Objective,
     ProbeSetup,
+    RateSearch,
     RunPlan,
+    SearchSettings,
+    WorkloadCapacity,
     fleet_guess,
+    from_json,
     load_all,
     measure,
+    merge,
     run_probe,
+    same_settings,
     search_fleet,
     search_rate,
+    to_json,
 )
 from bench.policies import Policy
 from bench.results import RequestRecord, RunResult
@@ -187,3 +197,31 @@ def test_bench_capacity_end_to_end_brackets_the_knee(tmp_path: Path) -> None:
                            router=RouterConfig(), plan=RunPlan(requests=300))
         assert all(run_probe(setup, lo, 2, seed).passed for seed in (1, 2))
         assert not all(run_probe(setup, hi, 2, seed).passed for seed in (1, 2))
+
+
+def sweep_of(policies: dict[str, float], load: float | None = 10.0) -> WorkloadCapacity:
+    """A saved sweep with the given capacities (and a fleet need of 8 for each)."""
+    caps = [Capacity(policy=p, instances=8, search=RateSearch(lo, lo * 1.05, ()), probes=[])
+            for p, lo in policies.items()]
+    needs = [FleetNeed(policy=p, rate=load or 0.0, search=FleetSearch(8, ()), probes=[])
+             for p in policies]
+    return WorkloadCapacity(workload="w", params="", fleet="", instances=8,
+                            objective=Objective(), plan=RunPlan(),
+                            search=SearchSettings(start=1.0), capacities=caps, load=load,
+                            needs=needs, wall_s=1.0, cpu_s=2.0)
+
+
+def test_a_rerun_of_one_policy_keeps_the_others_in_policy_order() -> None:
+    old = sweep_of({"round-robin": 10.0, "prefix": 30.0, "prefix-spill": 12.0})
+    new = sweep_of({"prefix-spill": 20.0, "cache-aware": 15.0})
+    merged = merge(old, new)
+    assert [(c.policy, c.search.lo) for c in merged.capacities] == [
+        ("round-robin", 10.0), ("prefix", 30.0), ("prefix-spill", 20.0), ("cache-aware", 15.0)]
+    assert [n.policy for n in merged.needs] == [
+        "round-robin", "prefix", "prefix-spill", "cache-aware"]
+    assert merged.wall_s == 2.0 and merged.cpu_s == 4.0
+    assert same_settings(old, new)
+    assert from_json(json.loads(json.dumps(to_json(merged)))) == merged  # survives JSON
+    # Fleet needs for another load are not mixed with the new ones.
+    other = merge(sweep_of({"round-robin": 10.0}, load=5.0), sweep_of({"prefix": 30.0}))
+    assert [n.policy for n in other.needs] == ["prefix"]
