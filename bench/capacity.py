@@ -463,6 +463,8 @@ class FleetSettings:
     """Offered rate; None: round robin's capacity on the sweep's fleet."""
     lo: int = 4
     hi: int = 64
+    policies: tuple[str, ...] = ()
+    """The policies searched (empty: every policy swept)."""
 
 
 @dataclass(slots=True)
@@ -551,7 +553,8 @@ def sweep(workload: str, overrides: dict[str, str | int | float], *,
                        for c in capacities]
             futures = [pool.submit(find_fleet, s, load, guess=g, lo=fleet.lo, hi=fleet.hi,
                                    seeds=search.seeds, verbose=verbose)
-                       for s, g in zip(setups, guesses, strict=True)]
+                       for s, g in zip(setups, guesses, strict=True)
+                       if not fleet.policies or s.policy.value in fleet.policies]
             out.needs = [f.result() for f in futures]
     out.wall_s = time.monotonic() - began
     out.cpu_s = (time.process_time() - cpu

@@ -123,10 +123,14 @@ def _capacity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--seeds", type=int, default=3, help="seeds 1..N; a rate passes on all")
     g.add_argument("--factor", type=float, default=1.4, help="bracketing step")
     g.add_argument("--precision", type=float, default=0.05, help="relative, hi/lo - 1")
+    g.add_argument("--min-rate", type=float, default=1.0,
+                   help="below it a policy reads as not meeting the objective at all")
     g.add_argument("--max-rate", type=float, default=2000.0)
     g = p.add_argument_group("instances saved")
     g.add_argument("--fleet-load", type=float,
                    help="offered rate (default: round robin's capacity); 0 skips the search")
+    g.add_argument("--fleet-policies", default="",
+                   help="the policies searched (default: every policy swept)")
     g.add_argument("--fleet-min", type=int, default=4)
     g.add_argument("--fleet-max", type=int, default=64)
     p.add_argument("--jobs", type=int, default=1, help="processes (policies in parallel)")
@@ -279,9 +283,10 @@ def _capacity(args: argparse.Namespace) -> int:
     starts = capacity.parse_starts(args.start)
     search = capacity.SearchSettings(start=starts[""], seeds=tuple(range(1, args.seeds + 1)),
                                      factor=args.factor, precision=args.precision,
-                                     max_rate=args.max_rate)
+                                     min_rate=args.min_rate, max_rate=args.max_rate)
     fleet = None if args.fleet_load == 0 else capacity.FleetSettings(
-        load=args.fleet_load, lo=args.fleet_min, hi=args.fleet_max)
+        load=args.fleet_load, lo=args.fleet_min, hi=args.fleet_max,
+        policies=tuple(p.strip() for p in args.fleet_policies.split(",") if p.strip()))
     engine = _engine(args)
     fleet_text = (f"{args.instances} instances of {args.profile}, "
                   f"{engine.num_gpu_blocks:,} KV blocks of {engine.block_size} tokens, "

@@ -1,6 +1,6 @@
 """Reproduce bench/results/capacity: capacity at a TTFT objective, per policy and workload.
 
-    python bench/scripts/capacity.py sweep    # every workload x policy in the DES (~25 min)
+    python bench/scripts/capacity.py sweep    # every workload x policy in the DES (~45 min)
     python bench/scripts/capacity.py live     # one knee through the real stack vs the DES
     python bench/scripts/capacity.py report   # rebuild report.md and the PNGs
 
@@ -24,6 +24,7 @@ ROOT = Path(__file__).resolve().parents[2]
 """The repository root (results are written under ``bench/results``)."""
 
 from bench.cli import main as bench  # noqa: E402
+from bench.scripts.routing_defaults import SCALE, THINK  # noqa: E402
 from bench.workloads import WORKLOADS as KNOWN  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "capacity"
@@ -33,37 +34,52 @@ FLEET = ["--instances", "8", "--num-gpu-blocks", "28750", "--prefill-tokens-per-
 """Eight Llama-3.1-70B / 8xH100 instances with 460k tokens of KV cache each (28,750 blocks
 of 16) and a prefill rate of 12,000 tokens/s: the fleet every capacity figure is for."""
 
-SINGLE_TURN = ["--run-requests", "2000", "--warmup", "0.25"]
-"""2,000 requests a run, the first quarter of the run's span not measured: the P99 over
-~1,500 requests at the knee, once caches have warmed."""
-MULTI_TURN = ["--run-requests", "2000", "--min-duration", "100", "--warmup", "0.5",
+SINGLE_TURN = ["--run-requests", "5000", "--warmup", "0.5"]
+"""5,000 requests a run, the first half not measured: every prompt has been placed (168
+prompts need ~1,000 requests to all appear once) and each instance's cache has turned over,
+so the 2,500 measured are in steady state (prefix-spill, system prompts at 30 requests/s:
+89.6% hit rate and P99 1,070 ms in the window, 90.0% and 1,047 ms in a 9,000-request run;
+2,000-request runs measured the warm-up and failed)."""
+MULTI_TURN = ["--run-requests", "3000", "--min-duration", "100", "--warmup", "0.5",
               "--seeds", "2"]
-"""Conversations live ~70 s (4.5 thinking gaps of 10 s mean, plus answers): runs of at least
-100 s of new arrivals, the first 50 s not measured. At chat's knee (~200 requests/s) that is
-20,000 requests a run, 10,000 measured (a P99 over 100 tail requests, where single-turn runs
-have 15), so two seeds; each run costs ~30 CPU s."""
+"""At least 100 s of new conversations, the first half not measured (conversations with the
+think times of :data:`THINK` live ~30-40 s), two seeds: at the knees of chat (~200
+requests/s) a run is 20,000 requests, 10,000 measured."""
+
+
+def scaled(workload: str) -> list[str]:
+    """The workload as bench/scripts/routing_defaults.py sizes it for these instances."""
+    return [arg for k, v in {**SCALE.get(workload, {}), **THINK.get(workload, {})}.items()
+            for arg in ("--set", f"{k}={v}")]
+
 
 WORKLOADS: dict[str, list[str]] = {
-    "system-prompt": [*SINGLE_TURN, "--start", "27,prefix=130,prefix-spill=32"],
-    "rag": [*SINGLE_TURN, "--start", "25,prefix=90,prefix-spill=35"],
+    "system-prompt": [*SINGLE_TURN, "--start", "8,prefix=60,prefix-spill=35,cache-aware=30"],
+    "rag": [*SINGLE_TURN, "--start", "8,prefix=60,prefix-spill=40,cache-aware=30"],
     "chat": [*MULTI_TURN, "--start", "190,prefix=250,prefix-spill=250"],
-    "long-system-chat": [*MULTI_TURN, "--start", "60,prefix=100,prefix-spill=80"],
+    "long-system-chat": [*MULTI_TURN, "--start", "150,prefix=250,prefix-spill=200"],
     "trace-like": [*MULTI_TURN, "--start", "30,prefix=50,prefix-spill=40"],
-    "code": [*SINGLE_TURN, "--start", "35,prefix=60,prefix-spill=50"],
-    "group-prompts": [*SINGLE_TURN, "--start", "20,prefix=50,prefix-spill=30"],
-    "hot-prefix": [*SINGLE_TURN, "--start", "20,prefix=25,prefix-spill=25"],
+    "code": [*SINGLE_TURN, "--start", "40,prefix=60,prefix-spill=50"],
+    "group-prompts": [*SINGLE_TURN, "--start", "25,prefix=50,prefix-spill=40"],
+    "hot-prefix": [*SINGLE_TURN, "--start", "15,prefix=20,prefix-spill=20"],
     "unique": [*SINGLE_TURN, "--start", "22"],
 }
-"""Per workload: how each run is sized and where each policy's search starts (near its knee
-from an earlier sweep; a poor start costs a bracketing step or two, not accuracy).
-A workload bench/workloads.py does not have is skipped with a note."""
+"""Per workload: how each run is sized and where each policy's search starts (a guess near
+its knee; a poor start costs a bracketing step or two, not accuracy). Workloads are sized as
+in bench/scripts/routing_defaults.py (:data:`SCALE`: pools of prompts 3.5x the older
+defaults, so one instance cannot cache them all; :data:`THINK`: shorter think times). A
+workload bench/workloads.py does not have is skipped with a note."""
+
+FLEET_POLICIES = "round-robin,prefix,prefix-spill"
+"""The fleet search (4-64 instances at round robin's capacity) for these only: it costs as
+much as a capacity search per policy."""
 
 LIVE_WORKLOAD = "system-prompt"
 LIVE_FLEET = ["--instances", "2", "--num-gpu-blocks", "28750", "--prefill-tokens-per-s", "12000"]
-LIVE_WORKLOAD_ARGS = ["--set", "prompts=12"]
-"""Two instances (all the 2-core machine runs live at a knee), with the system prompts cut to
-12 so each of them holds as many prompts as each of the eight does in the sweep."""
-LIVE_REQUESTS = 800
+LIVE_WORKLOAD_ARGS = ["--set", "prompts=42"]
+"""Two instances (all the 2-core machine runs live at a knee), with a quarter of the sweep's
+168 system prompts: the same prompts per instance as in the sweep."""
+LIVE_REQUESTS = 1200
 LIVE_TIME_SCALE = "2"
 
 
@@ -80,8 +96,9 @@ def sweep(chosen: list[str], jobs: int, policies: str) -> None:
         if name not in KNOWN:
             print(f"- {name}: not in bench/workloads.py yet, skipped", flush=True)
             continue
-        run(["capacity", "--workload", name, *FLEET, *WORKLOADS[name], "--jobs", str(jobs),
-             "--policies", policies, "--out", str(OUT)])
+        run(["capacity", "--workload", name, *scaled(name), *FLEET, *WORKLOADS[name],
+             "--jobs", str(jobs), "--policies", policies, "--fleet-policies", FLEET_POLICIES,
+             "--out", str(OUT)])
     print(f"sweep: {time.monotonic() - began:.0f} s wall", flush=True)
 
 
@@ -90,8 +107,8 @@ def live() -> None:
     stack and again in the DES with the same seed: report.md's DES-vs-live table."""
     knee_dir = LIVE / "knee"
     run(["capacity", "--workload", LIVE_WORKLOAD, *LIVE_WORKLOAD_ARGS, *LIVE_FLEET,
-         "--policies", "prefix-spill", "--run-requests", str(LIVE_REQUESTS), "--start", "8",
-         "--fleet-load", "0", "--out", str(knee_dir)])
+         "--policies", "prefix-spill", "--run-requests", str(LIVE_REQUESTS), "--warmup", "0.5",
+         "--start", "8", "--fleet-load", "0", "--out", str(knee_dir)])
     saved = orjson.loads((knee_dir / f"{LIVE_WORKLOAD}.json").read_bytes())
     knee = saved["capacities"][0]["search"]["lo"]
     same = ["--workload", LIVE_WORKLOAD, *LIVE_WORKLOAD_ARGS, *LIVE_FLEET,
