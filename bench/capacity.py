@@ -757,14 +757,16 @@ def write_report(folder: Path) -> Path:
         first = results[0]
         lines += [
             f"**Objective**: {first.objective}, over the requests that arrive after the "
-            f"first {first.plan.warmup:.0%} of the run (caches start empty) and before its "
-            f"last new arrival. **Fleet**: {first.fleet}.", "",
+            f"warm-up (the first part of the run, caches start empty; per workload below) and "
+            f"before its last new arrival. **Fleet**: {first.fleet}.", "",
             f"**Search**: geometric bracketing (x{first.search.factor:g}) from a start rate, "
             f"then bisection to hi/lo <= {1 + first.search.precision:g}; a rate passes only "
-            f"if it passes on every one of {len(first.search.seeds)} seeds (workload and "
-            f"simulation seed); the bracketing and bisection screen with seed 1 and the "
-            f"answer is confirmed on the others. The capacity shown is the highest rate that "
-            f"passed on all seeds; a rate at most `precision` above it failed on one.", "",
+            f"if it passes on every seed (workload and simulation seed; 3, or 2 where stated); "
+            f"the bracketing and bisection screen with one seed (the first, then any that "
+            f"failed a confirmation) and the answer is confirmed on the others. The capacity "
+            f"shown is the highest rate that passed on all seeds; a rate at most the precision "
+            f"above it failed on one. `< 1` : the objective was missed even at 1 request/s.",
+            "",
         ]
     head = " | ".join(policies)
     lines += ["## Capacity (requests/s within the objective)", "",
@@ -828,7 +830,9 @@ def write_report(folder: Path) -> Path:
         plot_capacity(curves, knees, (r.objective.p50_s, r.objective.p99_s), plots / name,
                       f"{r.workload}, {r.instances} instances")
         lines += [f"### {r.workload}", "", f"Workload: {r.params}. Each run: at least "
-                  f"{r.plan.requests} requests and {r.plan.min_duration_s:g} s of arrivals.",
+                  f"{r.plan.requests} requests and {r.plan.min_duration_s:g} s of arrivals, "
+                  f"the first {r.plan.warmup:.0%} of the arrivals' span not measured; "
+                  f"{len(r.search.seeds)} seeds.",
                   "", f"![{r.workload}](plots/{name})", ""]
     wall = sum(r.wall_s for r in results)
     cpu = sum(r.cpu_s for r in results)
