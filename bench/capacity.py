@@ -538,6 +538,7 @@ def sweep(workload: str, overrides: dict[str, str | int | float], *,
         out = WorkloadCapacity(workload=workload, params=params, fleet=fleet_text,
                                instances=instances, objective=objective, plan=plan,
                                search=search, capacities=capacities)
+        load: float | None = None
         if fleet is not None:
             comparable = previous is not None and (previous.instances, previous.objective,
                                                    previous.plan) == (instances, objective, plan)
@@ -545,9 +546,9 @@ def sweep(workload: str, overrides: dict[str, str | int | float], *,
                 previous.capacity(Policy.ROUND_ROBIN.value)
                 if previous is not None and comparable else None)
             load = fleet.load if fleet.load is not None else (rr.search.lo if rr else None)
-            if load is None:
-                raise ValueError("the fleet search needs a load: round robin's capacity or "
-                                 "--fleet-load")
+            if load is None:  # round robin meets the objective at no rate: the lowest other
+                load = min((c.search.lo for c in capacities if c.search.lo), default=None)
+        if fleet is not None and load is not None:
             out.load, out.fleet_range = load, (fleet.lo, fleet.hi)
             guesses = [fleet_guess(instances, load, c.search.lo, fleet.lo, fleet.hi)
                        for c in capacities]
@@ -813,12 +814,16 @@ def write_report(folder: Path) -> Path:
                                for p in policies)
             rr, spill = counts.get(BASELINE), counts.get(PRODUCT)
             saved = (f"{rr - spill} ({(rr - spill) / rr:.0%})" if rr and spill else "-")
-            lines.append(f"| {r.workload} | {r.load:.3g} | {cells} | {saved} |")
+            rr_cap = r.capacity(BASELINE)
+            note = "" if rr_cap is None or rr_cap.search.lo else " (\\*)"
+            lines.append(f"| {r.workload} | {r.load:.3g}{note} | {cells} | {saved} |")
         plot_fleet_needs({r.workload: {n.policy: n.search.instances for n in r.needs}
                           for r in with_needs}, plots / "instances-needed.png",
                          "Instances needed at a fixed offered load",
                          reference=with_needs[0].instances)
-        lines += ["", "![instances needed](plots/instances-needed.png)"]
+        lines += ["", "(\\*) Round robin meets the objective at no rate on this fleet: the "
+                  "load is the lowest capacity another policy has.", "",
+                  "![instances needed](plots/instances-needed.png)"]
     lines += ["", "## TTFT against offered rate", "",
               "Seed 1's runs of each search; dotted lines: each policy's capacity.", ""]
     for r in results:

@@ -54,8 +54,8 @@ def scaled(workload: str) -> list[str]:
 
 
 WORKLOADS: dict[str, list[str]] = {
-    "system-prompt": [*SINGLE_TURN, "--start", "8,prefix=60,prefix-spill=35,cache-aware=30"],
-    "rag": [*SINGLE_TURN, "--start", "8,prefix=60,prefix-spill=40,cache-aware=30"],
+    "system-prompt": [*SINGLE_TURN, "--start", "2,prefix=150,prefix-spill=30,cache-aware=150"],
+    "rag": [*SINGLE_TURN, "--start", "4,prefix=100,prefix-spill=35,cache-aware=100"],
     "chat": [*MULTI_TURN, "--start", "190,prefix=250,prefix-spill=250"],
     "long-system-chat": [*MULTI_TURN, "--start", "150,prefix=250,prefix-spill=200"],
     "trace-like": [*MULTI_TURN, "--start", "30,prefix=50,prefix-spill=40"],
