@@ -29,6 +29,7 @@ from bench.workloads import WORKLOADS as KNOWN  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "capacity"
 LIVE = OUT / "live"
+KNEE = OUT / "live-knee"
 
 FLEET = ["--instances", "8", "--num-gpu-blocks", "28750", "--prefill-tokens-per-s", "12000"]
 """Eight Llama-3.1-70B / 8xH100 instances with 460k tokens of KV cache each (28,750 blocks
@@ -104,24 +105,57 @@ def sweep(chosen: list[str], jobs: int, policies: str) -> None:
 
 def live() -> None:
     """prefix-spill's knee on two instances in the DES, then that rate through the real
-    stack and again in the DES with the same seed: report.md's DES-vs-live table."""
-    knee_dir = LIVE / "knee"
+    stack and again in the DES with the same seed; both judged on the same window as the
+    search judges a run (``live.md``), and report.md's DES-vs-live table."""
     run(["capacity", "--workload", LIVE_WORKLOAD, *LIVE_WORKLOAD_ARGS, *LIVE_FLEET,
          "--policies", "prefix-spill", "--run-requests", str(LIVE_REQUESTS), "--warmup", "0.5",
-         "--start", "8", "--fleet-load", "0", "--out", str(knee_dir)])
-    saved = orjson.loads((knee_dir / f"{LIVE_WORKLOAD}.json").read_bytes())
+         "--start", "8", "--fleet-load", "0", "--out", str(KNEE)])
+    saved = orjson.loads((KNEE / f"{LIVE_WORKLOAD}.json").read_bytes())
     knee = saved["capacities"][0]["search"]["lo"]
     same = ["--workload", LIVE_WORKLOAD, *LIVE_WORKLOAD_ARGS, *LIVE_FLEET,
             "--policies", "prefix-spill", "--rate", f"{knee:g}",
             "--requests", str(LIVE_REQUESTS), "--seed", "1", "--out", str(LIVE)]
     run(["des", *same])
     run(["run", *same, "--time-scale", LIVE_TIME_SCALE, "--ext-procs", "1"])
+    compare(knee)
+
+
+def compare(rate: float) -> None:
+    """The live run and the DES run at ``rate``, over the window the search measures."""
+    from bench.capacity import Objective, measure
+    from bench.results import RunResult
+
+    folder = LIVE / LIVE_WORKLOAD
+    rows = []
+    for mode in ("des", "live"):
+        result = RunResult.load(folder / f"{mode}-prefix-spill.json")
+        last = max(r.arrival_s for r in result.records)
+        probe = measure(result, (0.5 * last, last), Objective(), rate=rate, instances=2, seed=1)
+        rows.append((mode, probe, result))
+    (des, d, _), (_, v, live_result) = rows
+    lines = [f"# Live vs DES at prefix-spill's knee ({rate:g} requests/s, 2 instances)", "",
+             f"`bench/scripts/capacity.py live`: {LIVE_WORKLOAD} ({' '.join(LIVE_WORKLOAD_ARGS)}),"
+             f" {LIVE_REQUESTS} requests, seed 1, live at time scale {LIVE_TIME_SCALE}; both "
+             "judged on the second half of the arrivals, as the capacity search judges a run.",
+             "", "| measure | DES | live | live / DES |", "|---|---|---|---|"]
+    for name, a, b in (("TTFT P50 ms", d.p50_s * 1000, v.p50_s * 1000),
+                       ("TTFT P99 ms", d.p99_s * 1000, v.p99_s * 1000),
+                       ("hit rate", d.hit_rate, v.hit_rate),
+                       ("goodput req/s", d.goodput_rps, v.goodput_rps),
+                       ("output tok/s", d.goodput_tps, v.goodput_tps)):
+        lines.append(f"| {name} | {a:,.3g} | {b:,.3g} | {b / a:.2f} |")
+    lines += ["", f"Objective met: DES {d.passed}, live {v.passed}; live errors "
+              f"{live_result.errors}.", ""]
+    out = OUT / "live.md"
+    out.write_text("\n".join(lines))
+    print(out.read_text())
 
 
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__,
                                      formatter_class=argparse.RawDescriptionHelpFormatter)
-    parser.add_argument("part", choices=("sweep", "live", "report"))
+    parser.add_argument("part", choices=("sweep", "live", "compare", "report"))
+    parser.add_argument("--rate", type=float, help="compare: the knee the live run used")
     parser.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated workloads")
     parser.add_argument("--jobs", type=int, default=2, help="policies searched at once")
     parser.add_argument("--policies", default="all", help="e.g. cache-aware: add one policy "
@@ -131,6 +165,8 @@ def main() -> None:
         sweep([w for w in args.only.split(",") if w], args.jobs, args.policies)
     elif args.part == "live":
         live()
+    elif args.part == "compare":
+        compare(args.rate)
     else:
         from bench.capacity import write_report
 
