@@ -20,6 +20,7 @@ run: $(STAMP)
 test: $(STAMP)
 	scripts/ensure-test-services
 	$(BIN)/ruff check .
+	$(BIN)/ruff format --check .
 	$(BIN)/mypy
 	$(BIN)/lint-imports --no-logo
 	$(BIN)/pytest -q $(PYTEST_ARGS)

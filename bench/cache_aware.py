@@ -149,8 +149,7 @@ def imbalanced(loads: Sequence[int], settings: CacheAwareSettings) -> bool:
     """Both thresholds crossed by the busiest and the idlest worker."""
     low, high = min(loads), max(loads)
     return (
-        high - low > settings.balance_abs_threshold
-        and high > settings.balance_rel_threshold * low
+        high - low > settings.balance_abs_threshold and high > settings.balance_rel_threshold * low
     )
 
 

@@ -62,8 +62,10 @@ class Objective:
     max_errors: int = 0
 
     def __str__(self) -> str:
-        return (f"P50 TTFT <= {self.p50_s:g} s, P99 TTFT <= {self.p99_s:g} s, "
-                f"errors <= {self.max_errors}")
+        return (
+            f"P50 TTFT <= {self.p50_s:g} s, P99 TTFT <= {self.p99_s:g} s, "
+            f"errors <= {self.max_errors}"
+        )
 
 
 @dataclass(frozen=True, slots=True)
@@ -98,23 +100,47 @@ class Probe:
         return self.good_output_tokens / self.window_s if self.window_s > 0 else 0.0
 
 
-def measure(result: RunResult, window: tuple[float, float], objective: Objective, *,
-            rate: float, instances: int, seed: int) -> Probe:
+def measure(
+    result: RunResult,
+    window: tuple[float, float],
+    objective: Objective,
+    *,
+    rate: float,
+    instances: int,
+    seed: int,
+) -> Probe:
     """The figures of ``result`` over the requests that arrived in ``window``."""
     start, end = window
     inside = [r for r in result.records if start <= r.arrival_s <= end]
-    ttfts = sorted(r.ttft_s if r.error is None and r.ttft_s is not None else math.inf
-                   for r in inside)
-    good = [r for r in inside
-            if r.error is None and r.ttft_s is not None and r.ttft_s <= objective.p99_s]
+    ttfts = sorted(
+        r.ttft_s if r.error is None and r.ttft_s is not None else math.inf for r in inside
+    )
+    good = [
+        r
+        for r in inside
+        if r.error is None and r.ttft_s is not None and r.ttft_s <= objective.p99_s
+    ]
     p50, p99 = percentile(ttfts, 50), percentile(ttfts, 99)
     errors = result.errors
-    passed = (bool(inside) and p50 <= objective.p50_s and p99 <= objective.p99_s
-              and errors <= objective.max_errors)
+    passed = (
+        bool(inside)
+        and p50 <= objective.p50_s
+        and p99 <= objective.p99_s
+        and errors <= objective.max_errors
+    )
     return Probe(
-        rate=rate, instances=instances, seed=seed, passed=passed, requests=len(inside),
-        errors=errors, p50_s=p50, p99_s=p99, window_s=end - start, good=len(good),
-        good_output_tokens=sum(r.output_tokens for r in good), hit_rate=result.hit_rate,
+        rate=rate,
+        instances=instances,
+        seed=seed,
+        passed=passed,
+        requests=len(inside),
+        errors=errors,
+        p50_s=p50,
+        p99_s=p99,
+        window_s=end - start,
+        good=len(good),
+        good_output_tokens=sum(r.output_tokens for r in good),
+        hit_rate=result.hit_rate,
     )
 
 
@@ -182,8 +208,9 @@ def _round(x: float) -> float:
     return float(f"{x:.4g}")
 
 
-def _ascend(test: Callable[[float], bool], passing: float, factor: float,
-            max_rate: float) -> tuple[float, float | None]:
+def _ascend(
+    test: Callable[[float], bool], passing: float, factor: float, max_rate: float
+) -> tuple[float, float | None]:
     """Up by ``factor`` from a passing rate until one fails: ``(lo, hi)``."""
     lo = passing
     while lo < max_rate:
@@ -194,8 +221,9 @@ def _ascend(test: Callable[[float], bool], passing: float, factor: float,
     return lo, None
 
 
-def _descend(test: Callable[[float], bool], failing: float, factor: float,
-             min_rate: float) -> tuple[float | None, float]:
+def _descend(
+    test: Callable[[float], bool], failing: float, factor: float, min_rate: float
+) -> tuple[float | None, float]:
     """Down by ``factor`` from a failing rate until one passes: ``(lo, hi)``."""
     hi = failing
     while hi > min_rate:
@@ -206,8 +234,9 @@ def _descend(test: Callable[[float], bool], failing: float, factor: float,
     return None, hi
 
 
-def _bisect(test: Callable[[float], bool], lo: float, hi: float,
-            precision: float) -> tuple[float, float]:
+def _bisect(
+    test: Callable[[float], bool], lo: float, hi: float, precision: float
+) -> tuple[float, float]:
     while hi / lo > 1 + precision:
         mid = _round(math.sqrt(lo * hi))
         if not lo < mid < hi:
@@ -219,9 +248,16 @@ def _bisect(test: Callable[[float], bool], lo: float, hi: float,
     return lo, hi
 
 
-def search_rate(passes: Passes, *, start: float, seeds: Sequence[int] = (1, 2, 3),
-                factor: float = 1.4, precision: float = 0.05, min_rate: float = 0.05,
-                max_rate: float = 10_000.0) -> RateSearch:
+def search_rate(
+    passes: Passes,
+    *,
+    start: float,
+    seeds: Sequence[int] = (1, 2, 3),
+    factor: float = 1.4,
+    precision: float = 0.05,
+    min_rate: float = 0.05,
+    max_rate: float = 10_000.0,
+) -> RateSearch:
     """The highest rate at which every seed passes, to ``precision`` (module docstring)."""
     if factor < 1.01 or precision <= 0 or not 0 < min_rate <= max_rate:
         raise ValueError("need factor >= 1.01, precision > 0 and 0 < min_rate <= max_rate")
@@ -290,8 +326,9 @@ def _first_passing(test: Callable[[int], bool], lo: int, hi: int, guess: int) ->
     return passing
 
 
-def search_fleet(passes: Passes, *, guess: int, lo: int = 4, hi: int = 64,
-                 seeds: Sequence[int] = (1, 2, 3)) -> FleetSearch:
+def search_fleet(
+    passes: Passes, *, guess: int, lo: int = 4, hi: int = 64, seeds: Sequence[int] = (1, 2, 3)
+) -> FleetSearch:
     """The smallest fleet in ``[lo, hi]`` at which every seed passes (module docstring)."""
     if not 1 <= lo <= hi:
         raise ValueError("need 1 <= lo <= hi")
@@ -354,15 +391,28 @@ class _LastArrival:
 def run_probe(setup: ProbeSetup, rate: float, instances: int, seed: int) -> Probe:
     """One simulated run of ``setup`` at ``rate`` on ``instances`` with ``seed``."""
     overrides = dict(setup.overrides) | {
-        "rate": rate, "requests": setup.plan.requests_at(rate), "seed": seed,
+        "rate": rate,
+        "requests": setup.plan.requests_at(rate),
+        "seed": seed,
     }
     tap = _LastArrival(generate(setup.workload, overrides))
-    settings = DesSettings(policy=setup.policy, engine=setup.engine, router=setup.router,
-                           instances=instances, seed=seed)
+    settings = DesSettings(
+        policy=setup.policy,
+        engine=setup.engine,
+        router=setup.router,
+        instances=instances,
+        seed=seed,
+    )
     began = time.process_time()
     result = simulate(tap.tapped(), settings)
-    probe = measure(result, (setup.plan.warmup * tap.at, tap.at), setup.objective,
-                    rate=rate, instances=instances, seed=seed)
+    probe = measure(
+        result,
+        (setup.plan.warmup * tap.at, tap.at),
+        setup.objective,
+        rate=rate,
+        instances=instances,
+        seed=seed,
+    )
     return _with_cpu(probe, time.process_time() - began)
 
 
@@ -396,15 +446,20 @@ class Capacity:
 
 
 def _log(setup: ProbeSetup, probe: Probe) -> None:
-    print(f"  {setup.workload} {setup.policy.value}: {probe.rate:g} req/s on "
-          f"{probe.instances}, seed {probe.seed}: P50 {probe.p50_s * 1000:,.0f} ms, P99 "
-          f"{probe.p99_s * 1000:,.0f} ms, errors {probe.errors}, hit rate "
-          f"{probe.hit_rate:.0%} -> {'pass' if probe.passed else 'FAIL'} "
-          f"({probe.cpu_s:.1f} CPU s)", file=sys.stderr, flush=True)
+    print(
+        f"  {setup.workload} {setup.policy.value}: {probe.rate:g} req/s on "
+        f"{probe.instances}, seed {probe.seed}: P50 {probe.p50_s * 1000:,.0f} ms, P99 "
+        f"{probe.p99_s * 1000:,.0f} ms, errors {probe.errors}, hit rate "
+        f"{probe.hit_rate:.0%} -> {'pass' if probe.passed else 'FAIL'} "
+        f"({probe.cpu_s:.1f} CPU s)",
+        file=sys.stderr,
+        flush=True,
+    )
 
 
-def find_capacity(setup: ProbeSetup, instances: int, search: SearchSettings,
-                  verbose: bool = False) -> Capacity:
+def find_capacity(
+    setup: ProbeSetup, instances: int, search: SearchSettings, verbose: bool = False
+) -> Capacity:
     """The highest rate ``setup`` serves on ``instances`` within its objective."""
     probes: list[Probe] = []
 
@@ -415,11 +470,16 @@ def find_capacity(setup: ProbeSetup, instances: int, search: SearchSettings,
             _log(setup, probe)
         return probe.passed
 
-    found = search_rate(passes, start=search.start, seeds=search.seeds, factor=search.factor,
-                        precision=search.precision, min_rate=search.min_rate,
-                        max_rate=search.max_rate)
-    return Capacity(policy=setup.policy.value, instances=instances, search=found,
-                    probes=probes)
+    found = search_rate(
+        passes,
+        start=search.start,
+        seeds=search.seeds,
+        factor=search.factor,
+        precision=search.precision,
+        min_rate=search.min_rate,
+        max_rate=search.max_rate,
+    )
+    return Capacity(policy=setup.policy.value, instances=instances, search=found, probes=probes)
 
 
 @dataclass(slots=True)
@@ -432,8 +492,16 @@ class FleetNeed:
     probes: list[Probe]
 
 
-def find_fleet(setup: ProbeSetup, rate: float, *, guess: int, lo: int, hi: int,
-               seeds: Sequence[int], verbose: bool = False) -> FleetNeed:
+def find_fleet(
+    setup: ProbeSetup,
+    rate: float,
+    *,
+    guess: int,
+    lo: int,
+    hi: int,
+    seeds: Sequence[int],
+    verbose: bool = False,
+) -> FleetNeed:
     """The smallest fleet in ``[lo, hi]`` that serves ``rate`` within the objective."""
     probes: list[Probe] = []
 
@@ -506,69 +574,145 @@ def parse_starts(text: str) -> dict[str, float]:
 
 def describe_fixed(params: Common) -> str:
     """The workload's parameters but those each probe sets (rate, requests, seed)."""
-    return ", ".join(part for part in describe(params).split(", ")
-                     if part.split("=")[0] not in ("rate", "requests", "seed"))
+    return ", ".join(
+        part
+        for part in describe(params).split(", ")
+        if part.split("=")[0] not in ("rate", "requests", "seed")
+    )
 
 
-def _setups(workload: str, overrides: dict[str, str | int | float],
-            policies: Sequence[Policy], engine: EngineConfig, router: RouterConfig,
-            plan: RunPlan, objective: Objective) -> list[ProbeSetup]:
+def _setups(
+    workload: str,
+    overrides: dict[str, str | int | float],
+    policies: Sequence[Policy],
+    engine: EngineConfig,
+    router: RouterConfig,
+    plan: RunPlan,
+    objective: Objective,
+) -> list[ProbeSetup]:
     frozen = tuple(sorted(overrides.items()))
-    return [ProbeSetup(workload=workload, overrides=frozen, policy=p, engine=engine,
-                       router=router, plan=plan, objective=objective) for p in policies]
+    return [
+        ProbeSetup(
+            workload=workload,
+            overrides=frozen,
+            policy=p,
+            engine=engine,
+            router=router,
+            plan=plan,
+            objective=objective,
+        )
+        for p in policies
+    ]
 
 
-def sweep(workload: str, overrides: dict[str, str | int | float], *,
-          policies: Sequence[Policy], engine: EngineConfig, router: RouterConfig,
-          instances: int, plan: RunPlan, objective: Objective, search: SearchSettings,
-          fleet: FleetSettings | None, starts: Mapping[str, float] | None = None,
-          jobs: int = 1, params: str = "", fleet_text: str = "",
-          previous: WorkloadCapacity | None = None, verbose: bool = True) -> WorkloadCapacity:
+def sweep(
+    workload: str,
+    overrides: dict[str, str | int | float],
+    *,
+    policies: Sequence[Policy],
+    engine: EngineConfig,
+    router: RouterConfig,
+    instances: int,
+    plan: RunPlan,
+    objective: Objective,
+    search: SearchSettings,
+    fleet: FleetSettings | None,
+    starts: Mapping[str, float] | None = None,
+    jobs: int = 1,
+    params: str = "",
+    fleet_text: str = "",
+    previous: WorkloadCapacity | None = None,
+    verbose: bool = True,
+) -> WorkloadCapacity:
     """Each policy's capacity on ``workload``, then (``fleet``) the fleet each needs for
     one offered load; policies run in ``jobs`` processes. ``starts`` maps a policy to the
     rate its search starts from (default: ``search.start``); ``previous`` (an earlier sweep
     of the same workload and settings) gives round robin's capacity when it is not rerun."""
     began, cpu = time.monotonic(), time.process_time()
     setups = _setups(workload, overrides, policies, engine, router, plan, objective)
-    searches = [replace(search, start=(starts or {}).get(p.value, search.start))
-                for p in policies]
+    searches = [replace(search, start=(starts or {}).get(p.value, search.start)) for p in policies]
     with ProcessPoolExecutor(max_workers=max(1, jobs)) as pool:
-        capacities = list(pool.map(find_capacity, setups, [instances] * len(setups),
-                                   searches, [verbose] * len(setups)))
-        out = WorkloadCapacity(workload=workload, params=params, fleet=fleet_text,
-                               instances=instances, objective=objective, plan=plan,
-                               search=search, capacities=capacities)
+        capacities = list(
+            pool.map(
+                find_capacity, setups, [instances] * len(setups), searches, [verbose] * len(setups)
+            )
+        )
+        out = WorkloadCapacity(
+            workload=workload,
+            params=params,
+            fleet=fleet_text,
+            instances=instances,
+            objective=objective,
+            plan=plan,
+            search=search,
+            capacities=capacities,
+        )
         load: float | None = None
         if fleet is not None:
-            comparable = previous is not None and (previous.instances, previous.objective,
-                                                   previous.plan) == (instances, objective, plan)
+            comparable = previous is not None and (
+                previous.instances,
+                previous.objective,
+                previous.plan,
+            ) == (instances, objective, plan)
             rr = out.capacity(Policy.ROUND_ROBIN.value) or (
                 previous.capacity(Policy.ROUND_ROBIN.value)
-                if previous is not None and comparable else None)
+                if previous is not None and comparable
+                else None
+            )
             load = fleet.load if fleet.load is not None else (rr.search.lo if rr else None)
             if load is None:  # round robin meets the objective at no rate: the lowest other
                 load = min((c.search.lo for c in capacities if c.search.lo), default=None)
         if fleet is not None and load is not None:
             out.load, out.fleet_range = load, (fleet.lo, fleet.hi)
-            guesses = [fleet_guess(instances, load, c.search.lo, fleet.lo, fleet.hi)
-                       for c in capacities]
-            futures = [pool.submit(find_fleet, s, load, guess=g, lo=fleet.lo, hi=fleet.hi,
-                                   seeds=search.seeds, verbose=verbose)
-                       for s, g in zip(setups, guesses, strict=True)
-                       if not fleet.policies or s.policy.value in fleet.policies]
+            guesses = [
+                fleet_guess(instances, load, c.search.lo, fleet.lo, fleet.hi) for c in capacities
+            ]
+            futures = [
+                pool.submit(
+                    find_fleet,
+                    s,
+                    load,
+                    guess=g,
+                    lo=fleet.lo,
+                    hi=fleet.hi,
+                    seeds=search.seeds,
+                    verbose=verbose,
+                )
+                for s, g in zip(setups, guesses, strict=True)
+                if not fleet.policies or s.policy.value in fleet.policies
+            ]
             out.needs = [f.result() for f in futures]
     out.wall_s = time.monotonic() - began
-    out.cpu_s = (time.process_time() - cpu
-                 + sum(p.cpu_s for c in out.capacities for p in c.probes)
-                 + sum(p.cpu_s for n in out.needs for p in n.probes))
+    out.cpu_s = (
+        time.process_time()
+        - cpu
+        + sum(p.cpu_s for c in out.capacities for p in c.probes)
+        + sum(p.cpu_s for n in out.needs for p in n.probes)
+    )
     return out
 
 
 def same_settings(a: WorkloadCapacity, b: WorkloadCapacity) -> bool:
     """Whether two sweeps measured the same thing (their results can sit in one table)."""
-    return (a.workload, a.params, a.fleet, a.instances, a.objective, a.plan, a.search.seeds,
-            a.search.precision) == (b.workload, b.params, b.fleet, b.instances, b.objective,
-                                    b.plan, b.search.seeds, b.search.precision)
+    return (
+        a.workload,
+        a.params,
+        a.fleet,
+        a.instances,
+        a.objective,
+        a.plan,
+        a.search.seeds,
+        a.search.precision,
+    ) == (
+        b.workload,
+        b.params,
+        b.fleet,
+        b.instances,
+        b.objective,
+        b.plan,
+        b.search.seeds,
+        b.search.precision,
+    )
 
 
 def merge(previous: WorkloadCapacity, new: WorkloadCapacity) -> WorkloadCapacity:
@@ -576,13 +720,16 @@ def merge(previous: WorkloadCapacity, new: WorkloadCapacity) -> WorkloadCapacity
     fleet-search load for its fleet needs), in policy order; runtimes add up."""
     order = {p.value: i for i, p in enumerate(Policy)}
     ran = {c.policy for c in new.capacities}
-    new.capacities = sorted([*new.capacities,
-                             *(c for c in previous.capacities if c.policy not in ran)],
-                            key=lambda c: order.get(c.policy, 99))
+    new.capacities = sorted(
+        [*new.capacities, *(c for c in previous.capacities if c.policy not in ran)],
+        key=lambda c: order.get(c.policy, 99),
+    )
     if previous.load == new.load:
         searched = {n.policy for n in new.needs}
-        new.needs = sorted([*new.needs, *(n for n in previous.needs if n.policy not in searched)],
-                           key=lambda n: order.get(n.policy, 99))
+        new.needs = sorted(
+            [*new.needs, *(n for n in previous.needs if n.policy not in searched)],
+            key=lambda n: order.get(n.policy, 99),
+        )
     new.wall_s += previous.wall_s
     new.cpu_s += previous.cpu_s
     return new
@@ -621,22 +768,39 @@ def from_json(data: dict[str, Any]) -> WorkloadCapacity:
     search = dict(data["search"])
     search["seeds"] = tuple(search["seeds"])
     return WorkloadCapacity(
-        workload=data["workload"], params=data["params"], fleet=data["fleet"],
-        instances=data["instances"], objective=Objective(**data["objective"]),
-        plan=RunPlan(**data["plan"]), search=SearchSettings(**search),
-        capacities=[Capacity(policy=c["policy"], instances=c["instances"],
-                             search=RateSearch(lo=c["search"]["lo"], hi=c["search"]["hi"],
-                                               runs=_runs(c["search"]["runs"])),
-                             probes=[_probe(p) for p in c["probes"]])
-                    for c in data["capacities"]],
+        workload=data["workload"],
+        params=data["params"],
+        fleet=data["fleet"],
+        instances=data["instances"],
+        objective=Objective(**data["objective"]),
+        plan=RunPlan(**data["plan"]),
+        search=SearchSettings(**search),
+        capacities=[
+            Capacity(
+                policy=c["policy"],
+                instances=c["instances"],
+                search=RateSearch(
+                    lo=c["search"]["lo"], hi=c["search"]["hi"], runs=_runs(c["search"]["runs"])
+                ),
+                probes=[_probe(p) for p in c["probes"]],
+            )
+            for c in data["capacities"]
+        ],
         load=data["load"],
-        needs=[FleetNeed(policy=n["policy"], rate=n["rate"],
-                         search=FleetSearch(instances=n["search"]["instances"],
-                                            runs=_runs(n["search"]["runs"])),
-                         probes=[_probe(p) for p in n["probes"]])
-               for n in data["needs"]],
+        needs=[
+            FleetNeed(
+                policy=n["policy"],
+                rate=n["rate"],
+                search=FleetSearch(
+                    instances=n["search"]["instances"], runs=_runs(n["search"]["runs"])
+                ),
+                probes=[_probe(p) for p in n["probes"]],
+            )
+            for n in data["needs"]
+        ],
         fleet_range=(data["fleet_range"][0], data["fleet_range"][1]),
-        wall_s=data["wall_s"], cpu_s=data["cpu_s"],
+        wall_s=data["wall_s"],
+        cpu_s=data["cpu_s"],
     )
 
 
@@ -708,18 +872,24 @@ def knee_goodput(c: Capacity) -> tuple[float, float, float, float, float] | None
     if not knee:
         return None
     n = len(knee)
-    return (sum(p.goodput_rps for p in knee) / n, sum(p.goodput_tps for p in knee) / n,
-            sum(p.hit_rate for p in knee) / n, max(p.p50_s for p in knee),
-            max(p.p99_s for p in knee))
+    return (
+        sum(p.goodput_rps for p in knee) / n,
+        sum(p.goodput_tps for p in knee) / n,
+        sum(p.hit_rate for p in knee) / n,
+        max(p.p50_s for p in knee),
+        max(p.p99_s for p in knee),
+    )
 
 
 def summary(result: WorkloadCapacity) -> str:
     lines = [f"capacity {result.workload} ({result.objective}):"]
     for c in result.capacities:
         prec = c.search.precision
-        lines.append(f"  {c.policy}: {_capacity_cell(c)} req/s"
-                     + (f" (+{prec:.1%} precision)" if prec is not None else "")
-                     + f", {len(c.search.runs)} runs")
+        lines.append(
+            f"  {c.policy}: {_capacity_cell(c)} req/s"
+            + (f" (+{prec:.1%} precision)" if prec is not None else "")
+            + f", {len(c.search.runs)} runs"
+        )
     r = ratio(result.capacity(PRODUCT), result.capacity(BASELINE))
     if r:
         lines.append(f"  {PRODUCT} / {BASELINE}: {r[0]:.2f}x ({r[1]:.2f}-{r[2]:.2f}x)")
@@ -737,8 +907,17 @@ def _policies_of(results: Sequence[WorkloadCapacity]) -> list[str]:
 
 
 def _workload_order(names: Sequence[str]) -> list[str]:
-    known = ("system-prompt", "rag", "chat", "long-system-chat", "trace-like", "code",
-             "group-prompts", "hot-prefix", "unique")
+    known = (
+        "system-prompt",
+        "rag",
+        "chat",
+        "long-system-chat",
+        "trace-like",
+        "code",
+        "group-prompts",
+        "hot-prefix",
+        "unique",
+    )
     return sorted(names, key=lambda n: (known.index(n) if n in known else 99, n))
 
 
@@ -751,15 +930,20 @@ def write_report(folder: Path) -> Path:
     policies = _policies_of(results)
     plots = folder / "plots"
     plots.mkdir(parents=True, exist_ok=True)
-    lines = ["# Capacity at a TTFT objective", "",
-             "Generated by `prefix-router bench capacity` (discrete-event simulation, model "
-             "seconds); reproduce with `bench/scripts/capacity.py` (bench/README.md).", ""]
+    lines = [
+        "# Capacity at a TTFT objective",
+        "",
+        "Generated by `prefix-router bench capacity` (discrete-event simulation, model "
+        "seconds); reproduce with `bench/scripts/capacity.py` (bench/README.md).",
+        "",
+    ]
     if results:
         first = results[0]
         lines += [
             f"**Objective**: {first.objective}, over the requests that arrive after the "
             f"warm-up (the first part of the run, caches start empty; per workload below) and "
-            f"before its last new arrival. **Fleet**: {first.fleet}.", "",
+            f"before its last new arrival. **Fleet**: {first.fleet}.",
+            "",
             f"**Search**: geometric bracketing (x{first.search.factor:g}) from a start rate, "
             f"then bisection to hi/lo <= {1 + first.search.precision:g}; a rate passes only "
             f"if it passes on every seed (workload and simulation seed; 3, or 2 where stated); "
@@ -770,83 +954,133 @@ def write_report(folder: Path) -> Path:
             "",
         ]
     head = " | ".join(policies)
-    lines += ["## Capacity (requests/s within the objective)", "",
-              f"| workload | {head} | {PRODUCT} / {BASELINE} | precision | runs each |",
-              "|---" * (len(policies) + 4) + "|"]
+    lines += [
+        "## Capacity (requests/s within the objective)",
+        "",
+        f"| workload | {head} | {PRODUCT} / {BASELINE} | precision | runs each |",
+        "|---" * (len(policies) + 4) + "|",
+    ]
     for r in results:
         cells = " | ".join(_capacity_cell(r.capacity(p)) for p in policies)
         rt = ratio(r.capacity(PRODUCT), r.capacity(BASELINE))
         ratio_cell = f"**{rt[0]:.2f}x** ({rt[1]:.2f}-{rt[2]:.2f})" if rt else "-"
         precs = [c.search.precision for c in r.capacities if c.search.precision is not None]
         runs = "/".join(str(len(c.search.runs)) for c in r.capacities)
-        lines.append(f"| {r.workload} | {cells} | {ratio_cell} | "
-                     f"<= {max(precs, default=0):.1%} | {runs} |")
-    lines += ["", "The ratio's range in brackets is what the two brackets allow (each "
-              "capacity lies between its value and the lowest rate that failed).", "",
-              "## Goodput at each policy's knee", "",
-              "Mean over the seeds at the capacity. Goodput: requests per second that "
-              "completed without error with TTFT within the P99 bound, and their output "
-              "tokens per second, over the measurement window.", "",
-              "| workload | policy | capacity req/s | goodput req/s | output tok/s | hit rate "
-              "| worst P50 ms | worst P99 ms |", "|---|---|---|---|---|---|---|---|"]
+        lines.append(
+            f"| {r.workload} | {cells} | {ratio_cell} | <= {max(precs, default=0):.1%} | {runs} |"
+        )
+    lines += [
+        "",
+        "The ratio's range in brackets is what the two brackets allow (each "
+        "capacity lies between its value and the lowest rate that failed).",
+        "",
+        "## Goodput at each policy's knee",
+        "",
+        "Mean over the seeds at the capacity. Goodput: requests per second that "
+        "completed without error with TTFT within the P99 bound, and their output "
+        "tokens per second, over the measurement window.",
+        "",
+        "| workload | policy | capacity req/s | goodput req/s | output tok/s | hit rate "
+        "| worst P50 ms | worst P99 ms |",
+        "|---|---|---|---|---|---|---|---|",
+    ]
     for r in results:
         for c in r.capacities:
             g = knee_goodput(c)
             if g is None:
                 continue
-            lines.append(f"| {r.workload} | {c.policy} | {_rate(c.search.lo)} | {g[0]:.3g} | "
-                         f"{g[1]:,.0f} | {g[2]:.0%} | {g[3] * 1000:,.0f} | "
-                         f"{g[4] * 1000:,.0f} |")
+            lines.append(
+                f"| {r.workload} | {c.policy} | {_rate(c.search.lo)} | {g[0]:.3g} | "
+                f"{g[1]:,.0f} | {g[2]:.0%} | {g[3] * 1000:,.0f} | "
+                f"{g[4] * 1000:,.0f} |"
+            )
     with_needs = [r for r in results if r.needs]
     if with_needs:
-        lines += ["", "## Instances needed for a fixed load", "",
-                  "The smallest fleet that meets the objective at the offered rate shown "
-                  f"(round robin's capacity on {with_needs[0].instances} instances unless "
-                  "stated), searched over "
-                  "{}-{} instances with the same seed rule.".format(*with_needs[0].fleet_range),
-                  "",
-                  f"| workload | offered req/s | {head} | {PRODUCT} saves vs {BASELINE} |",
-                  "|---" * (len(policies) + 3) + "|"]
+        lines += [
+            "",
+            "## Instances needed for a fixed load",
+            "",
+            "The smallest fleet that meets the objective at the offered rate shown "
+            f"(round robin's capacity on {with_needs[0].instances} instances unless "
+            "stated), searched over "
+            "{}-{} instances with the same seed rule.".format(*with_needs[0].fleet_range),
+            "",
+            f"| workload | offered req/s | {head} | {PRODUCT} saves vs {BASELINE} |",
+            "|---" * (len(policies) + 3) + "|",
+        ]
         for r in with_needs:
             counts = {n.policy: n.search.instances for n in r.needs}
             low, high = r.fleet_range
-            cells = " | ".join(_fleet_cell(counts.get(p), p in counts, low, high)
-                               for p in policies)
+            cells = " | ".join(_fleet_cell(counts.get(p), p in counts, low, high) for p in policies)
             rr, spill = counts.get(BASELINE), counts.get(PRODUCT)
-            saved = (f"{rr - spill} ({(rr - spill) / rr:.0%})" if rr and spill else "-")
+            saved = f"{rr - spill} ({(rr - spill) / rr:.0%})" if rr and spill else "-"
             rr_cap = r.capacity(BASELINE)
             note = "" if rr_cap is None or rr_cap.search.lo else " (\\*)"
             lines.append(f"| {r.workload} | {r.load:.3g}{note} | {cells} | {saved} |")
-        plot_fleet_needs({r.workload: {n.policy: n.search.instances for n in r.needs}
-                          for r in with_needs}, plots / "instances-needed.png",
-                         "Instances needed at a fixed offered load",
-                         reference=with_needs[0].instances)
-        lines += ["", "(\\*) Round robin meets the objective at no rate on this fleet: the "
-                  "load is the lowest capacity another policy has.", "",
-                  "![instances needed](plots/instances-needed.png)"]
-    lines += ["", "## TTFT against offered rate", "",
-              "Seed 1's runs of each search; dotted lines: each policy's capacity.", ""]
+        plot_fleet_needs(
+            {r.workload: {n.policy: n.search.instances for n in r.needs} for r in with_needs},
+            plots / "instances-needed.png",
+            "Instances needed at a fixed offered load",
+            reference=with_needs[0].instances,
+        )
+        lines += [
+            "",
+            "(\\*) Round robin meets the objective at no rate on this fleet: the "
+            "load is the lowest capacity another policy has.",
+            "",
+            "![instances needed](plots/instances-needed.png)",
+        ]
+    lines += [
+        "",
+        "## TTFT against offered rate",
+        "",
+        "Seed 1's runs of each search; dotted lines: each policy's capacity.",
+        "",
+    ]
     for r in results:
-        curves = {c.policy: [(p.rate, _finite(p.p50_s), _finite(p.p99_s))
-                             for p in c.probes if p.seed == r.search.seeds[0]]
-                  for c in r.capacities}
+        curves = {
+            c.policy: [
+                (p.rate, _finite(p.p50_s), _finite(p.p99_s))
+                for p in c.probes
+                if p.seed == r.search.seeds[0]
+            ]
+            for c in r.capacities
+        }
         knees = {c.policy: c.search.lo for c in r.capacities}
         name = f"capacity-{r.workload}.png"
-        plot_capacity(curves, knees, (r.objective.p50_s, r.objective.p99_s), plots / name,
-                      f"{r.workload}, {r.instances} instances")
-        lines += [f"### {r.workload}", "", f"Workload: {r.params}. Each run: at least "
-                  f"{r.plan.requests} requests and {r.plan.min_duration_s:g} s of arrivals, "
-                  f"the first {r.plan.warmup:.0%} of the arrivals' span not measured; "
-                  f"{len(r.search.seeds)} seeds.",
-                  "", f"![{r.workload}](plots/{name})", ""]
+        plot_capacity(
+            curves,
+            knees,
+            (r.objective.p50_s, r.objective.p99_s),
+            plots / name,
+            f"{r.workload}, {r.instances} instances",
+        )
+        lines += [
+            f"### {r.workload}",
+            "",
+            f"Workload: {r.params}. Each run: at least "
+            f"{r.plan.requests} requests and {r.plan.min_duration_s:g} s of arrivals, "
+            f"the first {r.plan.warmup:.0%} of the arrivals' span not measured; "
+            f"{len(r.search.seeds)} seeds.",
+            "",
+            f"![{r.workload}](plots/{name})",
+            "",
+        ]
     wall = sum(r.wall_s for r in results)
     cpu = sum(r.cpu_s for r in results)
-    lines += ["## Runtime", "",
-              "| workload | runs | wall s | CPU s |", "|---|---|---|---|",
-              *[f"| {r.workload} | {sum(len(c.search.runs) for c in r.capacities)} + "
-                f"{sum(len(n.search.runs) for n in r.needs)} | {r.wall_s:.0f} | {r.cpu_s:.0f} |"
-                for r in results],
-              f"| total | | {wall:.0f} | {cpu:.0f} |", ""]
+    lines += [
+        "## Runtime",
+        "",
+        "| workload | runs | wall s | CPU s |",
+        "|---|---|---|---|",
+        *[
+            f"| {r.workload} | {sum(len(c.search.runs) for c in r.capacities)} + "
+            f"{sum(len(n.search.runs) for n in r.needs)} | {r.wall_s:.0f} | {r.cpu_s:.0f} |"
+            for r in results
+        ],
+        f"| total | | {wall:.0f} | {cpu:.0f} |",
+        "",
+    ]
     out = folder / "report.md"
     out.write_text("\n".join(lines))
     return out

@@ -41,10 +41,16 @@ from vllm_sim.config import EngineConfig, make_config
 
 
 def _workload_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default="system-prompt",
-                   help=f"comma-separated: {', '.join(WORKLOADS)}")
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                   help="workload parameter (repeatable), e.g. --set docs=96")
+    p.add_argument(
+        "--workload", default="system-prompt", help=f"comma-separated: {', '.join(WORKLOADS)}"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="workload parameter (repeatable), e.g. --set docs=96",
+    )
     p.add_argument("--requests", type=int, help="requests per run (workload parameter)")
     p.add_argument("--rate", type=float, help="arrivals per model-second (workload parameter)")
     p.add_argument("--seed", type=int, help="workload seed")
@@ -59,16 +65,23 @@ def _fleet_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--instances", type=int, default=4)
     p.add_argument("--profile", default="llama-3.1-70b-8xh100", help="simulator profile")
     p.add_argument("--num-gpu-blocks", type=int, help="KV blocks per instance (profile's)")
-    p.add_argument("--concurrency-threshold", type=int,
-                   help="router ConcurrencyThreshold (default: the router's default)")
-    p.add_argument("--prefill-tokens-per-s", type=float,
-                   help="simulated instances' prefill rate (profile's)")
+    p.add_argument(
+        "--concurrency-threshold",
+        type=int,
+        help="router ConcurrencyThreshold (default: the router's default)",
+    )
+    p.add_argument(
+        "--prefill-tokens-per-s", type=float, help="simulated instances' prefill rate (profile's)"
+    )
     p.add_argument("--entries-per-weight", type=int, help="ring entries per instance weight")
 
 
 def _parser() -> argparse.ArgumentParser:
-    parser = argparse.ArgumentParser(prog="prefix-router bench", description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        prog="prefix-router bench",
+        description=__doc__,
+        formatter_class=argparse.RawDescriptionHelpFormatter,
+    )
     sub = parser.add_subparsers(dest="command", required=True)
     run = sub.add_parser("run", help="live: the real stack over simulated instances")
     _workload_args(run)
@@ -86,24 +99,36 @@ def _parser() -> argparse.ArgumentParser:
     drive = sub.add_parser("drive", help="measure a running router and fleet")
     _workload_args(drive)
     drive.add_argument("--url", required=True, help="the router's base URL")
-    drive.add_argument("--instance", action="append", default=[], required=True,
-                       help="an instance's base URL, for /metrics (repeatable)")
+    drive.add_argument(
+        "--instance",
+        action="append",
+        default=[],
+        required=True,
+        help="an instance's base URL, for /metrics (repeatable)",
+    )
     drive.add_argument("--model", help="model name (default: the first instance's)")
     drive.add_argument("--policy", default="unknown", help="label of what is measured")
     drive.add_argument("--time-scale", type=float, default=1.0)
     drive.add_argument("--max-duration", type=float, default=1800.0)
     report = sub.add_parser("report", help="rebuild report.md and PNGs from saved results")
     report.add_argument("folder", type=Path)
-    _capacity_args(sub.add_parser(
-        "capacity", help="highest rate within a TTFT objective, fleet needed (DES)"))
+    _capacity_args(
+        sub.add_parser("capacity", help="highest rate within a TTFT objective, fleet needed (DES)")
+    )
     return parser
 
 
 def _capacity_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--workload", default="system-prompt",
-                   help=f"comma-separated: {', '.join(WORKLOADS)}")
-    p.add_argument("--set", action="append", default=[], metavar="NAME=VALUE",
-                   help="workload parameter (repeatable), e.g. --set docs=96")
+    p.add_argument(
+        "--workload", default="system-prompt", help=f"comma-separated: {', '.join(WORKLOADS)}"
+    )
+    p.add_argument(
+        "--set",
+        action="append",
+        default=[],
+        metavar="NAME=VALUE",
+        help="workload parameter (repeatable), e.g. --set docs=96",
+    )
     p.add_argument("--out", type=Path, default=Path("bench/results/capacity"))
     _fleet_args(p)
     p.set_defaults(instances=8, policies="all", requests=None, rate=None, seed=None)
@@ -113,24 +138,38 @@ def _capacity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--max-errors", type=int, default=0)
     g = p.add_argument_group("each run")
     g.add_argument("--run-requests", type=int, default=2000, help="at least this many")
-    g.add_argument("--min-duration", type=float, default=0.0,
-                   help="and at least this many model seconds of new arrivals")
-    g.add_argument("--warmup", type=float, default=0.25,
-                   help="fraction of the arrivals' span not measured")
+    g.add_argument(
+        "--min-duration",
+        type=float,
+        default=0.0,
+        help="and at least this many model seconds of new arrivals",
+    )
+    g.add_argument(
+        "--warmup", type=float, default=0.25, help="fraction of the arrivals' span not measured"
+    )
     g = p.add_argument_group("search")
-    g.add_argument("--start", default="10",
-                   help="first rate tried (req/s), or per policy: 30,prefix=120,...")
+    g.add_argument(
+        "--start", default="10", help="first rate tried (req/s), or per policy: 30,prefix=120,..."
+    )
     g.add_argument("--seeds", type=int, default=3, help="seeds 1..N; a rate passes on all")
     g.add_argument("--factor", type=float, default=1.4, help="bracketing step")
     g.add_argument("--precision", type=float, default=0.05, help="relative, hi/lo - 1")
-    g.add_argument("--min-rate", type=float, default=1.0,
-                   help="below it a policy reads as not meeting the objective at all")
+    g.add_argument(
+        "--min-rate",
+        type=float,
+        default=1.0,
+        help="below it a policy reads as not meeting the objective at all",
+    )
     g.add_argument("--max-rate", type=float, default=2000.0)
     g = p.add_argument_group("instances saved")
-    g.add_argument("--fleet-load", type=float,
-                   help="offered rate (default: round robin's capacity); 0 skips the search")
-    g.add_argument("--fleet-policies", default="",
-                   help="the policies searched (default: every policy swept)")
+    g.add_argument(
+        "--fleet-load",
+        type=float,
+        help="offered rate (default: round robin's capacity); 0 skips the search",
+    )
+    g.add_argument(
+        "--fleet-policies", default="", help="the policies searched (default: every policy swept)"
+    )
     g.add_argument("--fleet-min", type=int, default=4)
     g.add_argument("--fleet-max", type=int, default=64)
     p.add_argument("--jobs", type=int, default=1, help="processes (policies in parallel)")
@@ -151,8 +190,9 @@ def _overrides(args: argparse.Namespace) -> dict[str, str | int | float]:
 
 def _workloads(args: argparse.Namespace) -> list[tuple[Workload, str]]:
     if args.trace:
-        options = TraceOptions(block_tokens=args.block_tokens, speedup=args.speedup,
-                               max_requests=args.requests)
+        options = TraceOptions(
+            block_tokens=args.block_tokens, speedup=args.speedup, max_requests=args.requests
+        )
         return [(load_trace(args.trace, options), f"trace={args.trace}, {options}")]
     out = []
     for name in filter(None, (n.strip() for n in args.workload.split(","))):
@@ -177,8 +217,7 @@ def _progress(total: int, label: str) -> tuple[Callable[[RequestRecord], None], 
 
     def tick(record: RequestRecord) -> None:
         if not bars:
-            bars.append(tqdm(total=total, desc=label, unit="req", mininterval=1.0,
-                             file=sys.stderr))
+            bars.append(tqdm(total=total, desc=label, unit="req", mininterval=1.0, file=sys.stderr))
         bars[0].update(1)
         if record.error is not None:
             bars[0].set_postfix_str(f"last error: {record.error[:40]}", refresh=False)
@@ -209,12 +248,14 @@ def _folder(out: Path, workload: Workload) -> Path:
 
 def _notes(result: RunResult, params: str, args: argparse.Namespace) -> None:
     result.params = params
-    result.notes.update({
-        "instances": args.instances if hasattr(args, "instances") else len(result.instances),
-        "concurrency_threshold": getattr(args, "concurrency_threshold", None),
-        "num_gpu_blocks": getattr(args, "num_gpu_blocks", None),
-        "profile": getattr(args, "profile", None),
-    })
+    result.notes.update(
+        {
+            "instances": args.instances if hasattr(args, "instances") else len(result.instances),
+            "concurrency_threshold": getattr(args, "concurrency_threshold", None),
+            "num_gpu_blocks": getattr(args, "num_gpu_blocks", None),
+            "profile": getattr(args, "profile", None),
+        }
+    )
 
 
 def _run(args: argparse.Namespace) -> int:
@@ -226,9 +267,15 @@ def _run(args: argparse.Namespace) -> int:
     if args.prefill_tokens_per_s:  # as `des` takes it, so both run the same instances
         sim_args += ("--prefill-tokens-per-s", str(args.prefill_tokens_per_s))
     settings = LiveSettings(
-        router=_router(args), instances=args.instances, sim_profile=args.profile,
-        sim_args=sim_args, sim_procs=args.sim_procs, time_scale=args.time_scale,
-        ext_procs=args.ext_procs, max_duration_s=args.max_duration, work_dir=args.work_dir,
+        router=_router(args),
+        instances=args.instances,
+        sim_profile=args.profile,
+        sim_args=sim_args,
+        sim_procs=args.sim_procs,
+        time_scale=args.time_scale,
+        ext_procs=args.ext_procs,
+        max_duration_s=args.max_duration,
+        work_dir=args.work_dir,
     )
     for workload, params in _workloads(args):
         folder = _folder(args.out, workload)
@@ -259,9 +306,14 @@ def _des(args: argparse.Namespace) -> int:
     for workload, params in _workloads(args):
         folder = _folder(args.out, workload)
         for policy in parse_policies(args.policies):
-            settings = DesSettings(policy=policy, engine=engine, router=_router(args),
-                                   instances=args.instances,
-                                   resizes=parse_resizes(args.resize), window_s=args.window)
+            settings = DesSettings(
+                policy=policy,
+                engine=engine,
+                router=_router(args),
+                instances=args.instances,
+                resizes=parse_resizes(args.resize),
+                window_s=args.window,
+            )
             tick, close = _progress(workload.num_requests, f"des {workload.name} {policy.value}")
             try:
                 result = simulate(workload, settings, progress=_counter(tick))
@@ -278,28 +330,55 @@ def _capacity(args: argparse.Namespace) -> int:
     from bench import capacity
 
     objective = capacity.Objective(p50_s=args.p50, p99_s=args.p99, max_errors=args.max_errors)
-    plan = capacity.RunPlan(requests=args.run_requests, min_duration_s=args.min_duration,
-                            warmup=args.warmup)
+    plan = capacity.RunPlan(
+        requests=args.run_requests, min_duration_s=args.min_duration, warmup=args.warmup
+    )
     starts = capacity.parse_starts(args.start)
-    search = capacity.SearchSettings(start=starts[""], seeds=tuple(range(1, args.seeds + 1)),
-                                     factor=args.factor, precision=args.precision,
-                                     min_rate=args.min_rate, max_rate=args.max_rate)
-    fleet = None if args.fleet_load == 0 else capacity.FleetSettings(
-        load=args.fleet_load, lo=args.fleet_min, hi=args.fleet_max,
-        policies=tuple(p.strip() for p in args.fleet_policies.split(",") if p.strip()))
+    search = capacity.SearchSettings(
+        start=starts[""],
+        seeds=tuple(range(1, args.seeds + 1)),
+        factor=args.factor,
+        precision=args.precision,
+        min_rate=args.min_rate,
+        max_rate=args.max_rate,
+    )
+    fleet = (
+        None
+        if args.fleet_load == 0
+        else capacity.FleetSettings(
+            load=args.fleet_load,
+            lo=args.fleet_min,
+            hi=args.fleet_max,
+            policies=tuple(p.strip() for p in args.fleet_policies.split(",") if p.strip()),
+        )
+    )
     engine = _engine(args)
-    fleet_text = (f"{args.instances} instances of {args.profile}, "
-                  f"{engine.num_gpu_blocks:,} KV blocks of {engine.block_size} tokens, "
-                  f"prefill {engine.cost.prefill_tokens_per_s:,.0f} tokens/s")
+    fleet_text = (
+        f"{args.instances} instances of {args.profile}, "
+        f"{engine.num_gpu_blocks:,} KV blocks of {engine.block_size} tokens, "
+        f"prefill {engine.cost.prefill_tokens_per_s:,.0f} tokens/s"
+    )
     overrides = _overrides(args)
     for name in filter(None, (n.strip() for n in args.workload.split(","))):
         print(f"capacity {name}: {objective}; {fleet_text}", file=sys.stderr)
         params = capacity.describe_fixed(make_params(name, overrides))
         result = capacity.sweep(
-            name, overrides, policies=capacity.parse_policies(args.policies), engine=engine,
-            router=_router(args), instances=args.instances, plan=plan, objective=objective,
-            search=search, starts=starts, fleet=fleet, jobs=args.jobs, params=params,
-            fleet_text=fleet_text, previous=capacity.load_one(args.out, name))
+            name,
+            overrides,
+            policies=capacity.parse_policies(args.policies),
+            engine=engine,
+            router=_router(args),
+            instances=args.instances,
+            plan=plan,
+            objective=objective,
+            search=search,
+            starts=starts,
+            fleet=fleet,
+            jobs=args.jobs,
+            params=params,
+            fleet_text=fleet_text,
+            previous=capacity.load_one(args.out, name),
+        )
         previous = capacity.load_one(args.out, name)
         if previous is not None and capacity.same_settings(previous, result):
             result = capacity.merge(previous, result)  # keep the policies not rerun
@@ -314,9 +393,12 @@ def _drive(args: argparse.Namespace) -> int:
     from bench.live import measure, model_of
 
     for workload, params in _workloads(args):
-        driver = DriverSettings(base_url=args.url.rstrip("/"),
-                                model=args.model or model_of(args.instance[0]),
-                                time_scale=args.time_scale, max_duration_s=args.max_duration)
+        driver = DriverSettings(
+            base_url=args.url.rstrip("/"),
+            model=args.model or model_of(args.instance[0]),
+            time_scale=args.time_scale,
+            max_duration_s=args.max_duration,
+        )
         tick, close = _progress(workload.num_requests, f"{workload.name} {args.policy}")
         try:
             result = measure(workload, args.policy, driver, args.instance, on_done=tick)
@@ -330,10 +412,12 @@ def _drive(args: argparse.Namespace) -> int:
 
 
 def _summary(r: RunResult) -> str:
-    return (f"{r.mode} {r.workload} {r.policy}: hit rate {r.hit_rate:.1%}, TTFT P50 "
-            f"{r.ttft(50) * 1000:.0f} ms P99 {r.ttft(99) * 1000:.0f} ms, "
-            f"{r.throughput_rps:.2f} req/s, peak in flight {r.peak_in_flight}, "
-            f"errors {r.errors}")
+    return (
+        f"{r.mode} {r.workload} {r.policy}: hit rate {r.hit_rate:.1%}, TTFT P50 "
+        f"{r.ttft(50) * 1000:.0f} ms P99 {r.ttft(99) * 1000:.0f} ms, "
+        f"{r.throughput_rps:.2f} req/s, peak in flight {r.peak_in_flight}, "
+        f"errors {r.errors}"
+    )
 
 
 _ORDER = {p.value: i for i, p in enumerate(Policy)}
@@ -353,12 +437,17 @@ def load_results(folder: Path) -> dict[tuple[str, str], list[RunResult]]:
 def write_report(folder: Path) -> Path:
     """``report.md`` and PNGs for every saved result under ``folder``."""
     grouped = load_results(folder)
-    lines = ["# Benchmark results", "",
-             "Times are model seconds (simulated seconds on the simulator). "
-             "Generated by `prefix-router bench`; see bench/README.md.", ""]
+    lines = [
+        "# Benchmark results",
+        "",
+        "Times are model seconds (simulated seconds on the simulator). "
+        "Generated by `prefix-router bench`; see bench/README.md.",
+        "",
+    ]
     for mode in ("live", "des"):
-        by_workload = {w: rs for (w, m), rs in sorted(grouped.items(), key=_workload_order)
-                       if m == mode}
+        by_workload = {
+            w: rs for (w, m), rs in sorted(grouped.items(), key=_workload_order) if m == mode
+        }
         if not by_workload:
             continue
         lines += [f"## {mode}", "", headline_table(by_workload), ""]
@@ -367,18 +456,26 @@ def write_report(folder: Path) -> Path:
             first = results[0]
             size = first.notes.get("instances", len(first.instances))
             resizes = "".join(f"; at {at:g} s {what}" for at, what in first.events)
-            lines += [f"### {workload} ({mode})", "",
-                      f"Workload: {first.params}. Fleet: {size} instances{resizes}; "
-                      f"{_describe_notes(first)}.", "", table(results), ""]
+            lines += [
+                f"### {workload} ({mode})",
+                "",
+                f"Workload: {first.params}. Fleet: {size} instances{resizes}; "
+                f"{_describe_notes(first)}.",
+                "",
+                table(results),
+                "",
+            ]
             for path in write_plots(results, folder / "plots", stem, f"{workload} ({mode})"):
                 lines.append(f"![{path.stem}](plots/{path.name})")
             lines.append("")
         goals = check_goals(by_workload)
         if goals:
             lines += [f"### Goals ({mode})", "", *goals, ""]
-    pairs = [(w, grouped[(w, "live")], grouped[(w, "des")])
-             for (w, m), _ in sorted(grouped.items(), key=_workload_order)
-             if m == "live" and (w, "des") in grouped]
+    pairs = [
+        (w, grouped[(w, "live")], grouped[(w, "des")])
+        for (w, m), _ in sorted(grouped.items(), key=_workload_order)
+        if m == "live" and (w, "des") in grouped
+    ]
     if pairs:
         lines += ["## DES vs live (same workload, same ring, same instance model)", ""]
         for workload, live, des in pairs:
@@ -398,8 +495,11 @@ def _workload_order(item: tuple[tuple[str, str], list[RunResult]]) -> tuple[int,
 
 def _describe_notes(result: RunResult) -> str:
     notes = result.notes
-    parts = [f"{k.replace('_', ' ')} {v}" for k, v in notes.items()
-             if k in ("profile", "num_gpu_blocks", "concurrency_threshold") and v is not None]
+    parts = [
+        f"{k.replace('_', ' ')} {v}"
+        for k, v in notes.items()
+        if k in ("profile", "num_gpu_blocks", "concurrency_threshold") and v is not None
+    ]
     if result.mode == "live":
         parts.append(f"time scale {result.time_scale:g}")
     return ", ".join(parts)

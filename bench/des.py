@@ -111,8 +111,18 @@ def default_instance_url(i: int) -> str:
 class _Engine:
     """One simulated instance: the simulator's scheduler plus the event loop's bookkeeping."""
 
-    __slots__ = ("instance", "scheduler", "plan", "busy_s", "in_flight", "peak", "requests",
-                 "born_s", "gone_s", "readings")
+    __slots__ = (
+        "instance",
+        "scheduler",
+        "plan",
+        "busy_s",
+        "in_flight",
+        "peak",
+        "requests",
+        "born_s",
+        "gone_s",
+        "readings",
+    )
 
     def __init__(self, instance: Instance, config: EngineConfig, born_s: float) -> None:
         self.instance = instance
@@ -242,8 +252,14 @@ class Simulation:
         for engine in self._active:
             stats = engine.scheduler.stats
             readings = engine.readings
-            readings.append((self.now, stats.prefix_cache_queries, stats.prefix_cache_hits,
-                             stats.prefill_time.total))
+            readings.append(
+                (
+                    self.now,
+                    stats.prefix_cache_queries,
+                    stats.prefix_cache_hits,
+                    stats.prefill_time.total,
+                )
+            )
             while len(readings) > 1 and readings[1][0] <= self.now - LEARN_WINDOW_S:
                 readings.popleft()
             t0, q0, h0, p0 = readings[0]
@@ -290,8 +306,7 @@ class Simulation:
         engine.peak = max(engine.peak, engine.in_flight)
         engine.requests += 1
         sent = (*history, *turn.messages)
-        self._pending[rid] = _Pending(record, engine, arrival, turn_index, sent,
-                                      self._prefill_end)
+        self._pending[rid] = _Pending(record, engine, arrival, turn_index, sent, self._prefill_end)
         engine.scheduler.add(seq)
         if engine.plan is None:
             self._step(engine, now)
@@ -345,7 +360,7 @@ class Simulation:
         self._store.release(pending.engine.instance.id, pending.prefill_end)
         arrival, nxt = pending.arrival, pending.turn + 1
         if nxt < len(arrival.turns):
-            answer = detokenize_output(seq.tokens[seq.prompt_len:seq.prompt_len + seq.num_output])
+            answer = detokenize_output(seq.tokens[seq.prompt_len : seq.prompt_len + seq.num_output])
             history = (*pending.history, ("assistant", answer))
             self._push(now + arrival.turns[nxt].think_s, _SEND, _Next(arrival, nxt, history))
 
@@ -388,9 +403,7 @@ class Simulation:
             self._add_instances(resize.delta, self.now)
         elif resize.delta < 0:
             self._remove_instances(-resize.delta, self.now)
-        self._events_log.append(
-            (self.now, f"{resize.delta:+d} -> {len(self._active)} instances")
-        )
+        self._events_log.append((self.now, f"{resize.delta:+d} -> {len(self._active)} instances"))
 
     def _result(self) -> RunResult:
         end = self.now
@@ -399,15 +412,17 @@ class Simulation:
         for engine in self._engines.values():
             stats = engine.scheduler.stats
             lifetime = (engine.gone_s if engine.gone_s is not None else end) - engine.born_s
-            instances.append(InstanceStats(
-                id=engine.instance.id,
-                requests=engine.requests,
-                peak_in_flight=engine.peak,
-                busy=min(1.0, engine.busy_s / lifetime) if lifetime > 0 else None,
-                queries=stats.prefix_cache_queries,
-                hits=stats.prefix_cache_hits,
-                mean_ttft_s=stats.ttft.total / stats.ttft.count if stats.ttft.count else None,
-            ))
+            instances.append(
+                InstanceStats(
+                    id=engine.instance.id,
+                    requests=engine.requests,
+                    peak_in_flight=engine.peak,
+                    busy=min(1.0, engine.busy_s / lifetime) if lifetime > 0 else None,
+                    queries=stats.prefix_cache_queries,
+                    hits=stats.prefix_cache_hits,
+                    mean_ttft_s=stats.ttft.total / stats.ttft.count if stats.ttft.count else None,
+                )
+            )
         windows = [
             (k * self.s.window_s, hits / queries if queries else 0.0)
             for k, (queries, hits) in sorted(self._windows.items())

@@ -101,8 +101,9 @@ class _Run:
         s = self.settings
         body = request_body(turn, model=s.model, history=history)
         sent_at = time.perf_counter()
-        record = RequestRecord(arrival_s=self.model_time(sent_at), instance=None, ttft_s=None,
-                               e2e_s=None)
+        record = RequestRecord(
+            arrival_s=self.model_time(sent_at), instance=None, ttft_s=None, e2e_s=None
+        )
         sent = Sent(turn.endpoint, body)
         self.records.append(record)
         self.sent.append(sent)
@@ -195,8 +196,9 @@ async def drive(
     on_done: Callable[[RequestRecord], None] | None = None,
 ) -> DriveOutcome:
     """Send ``workload`` to ``settings.base_url`` on its schedule; every request is recorded."""
-    limits = httpx.Limits(max_connections=settings.max_in_flight + 16,
-                          max_keepalive_connections=256)
+    limits = httpx.Limits(
+        max_connections=settings.max_in_flight + 16, max_keepalive_connections=256
+    )
     async with httpx.AsyncClient(
         base_url=settings.base_url, limits=limits, timeout=httpx.Timeout(None, connect=10.0)
     ) as client:

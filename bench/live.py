@@ -74,11 +74,20 @@ def simulated_fleet(settings: LiveSettings, log_dir: Path) -> Iterator[list[str]
     groups = [ports[i :: settings.sim_procs] for i in range(settings.sim_procs)]
     try:
         for index, group in enumerate(g for g in groups if g):
-            args = ["--ports", ",".join(map(str, group)), "--host", HOST,
-                    "--profile", settings.sim_profile, "--time-scale", str(settings.time_scale),
-                    *settings.sim_args]
-            procs.append(start_module(f"vllm-sim-{index}", "vllm_sim", args, log_dir,
-                                      ready_ports=group))
+            args = [
+                "--ports",
+                ",".join(map(str, group)),
+                "--host",
+                HOST,
+                "--profile",
+                settings.sim_profile,
+                "--time-scale",
+                str(settings.time_scale),
+                *settings.sim_args,
+            ]
+            procs.append(
+                start_module(f"vllm-sim-{index}", "vllm_sim", args, log_dir, ready_ports=group)
+            )
         yield [f"http://{HOST}:{p}" for p in ports]
     finally:
         for proc in reversed(procs):
@@ -98,11 +107,17 @@ def policy_stack(
         config_file.parent.mkdir(parents=True, exist_ok=True)
         config_file.write_text(yaml.safe_dump({"routing": config.to_json_dict()}))
         up = UpSettings(
-            host=HOST, port=free_port(HOST), admin_port=free_port(HOST),
-            envoy_admin_port=free_port(HOST), xds_port=free_port(HOST),
-            ext_procs=settings.ext_procs, envoy_concurrency=settings.envoy_concurrency,
+            host=HOST,
+            port=free_port(HOST),
+            admin_port=free_port(HOST),
+            envoy_admin_port=free_port(HOST),
+            xds_port=free_port(HOST),
+            ext_procs=settings.ext_procs,
+            envoy_concurrency=settings.envoy_concurrency,
             backend=[f"{url}:1:vllm-{i}" for i, url in enumerate(urls)],
-            config=str(config_file), run_dir=str(run_dir), namespace="prefix-router-bench:",
+            config=str(config_file),
+            run_dir=str(run_dir),
+            namespace="prefix-router-bench:",
         )
         stack = Stack(up, config)
         try:
@@ -112,11 +127,17 @@ def policy_stack(
             stack.stop()
         return
     fleet = Fleet.of([Instance.from_url(url) for url in urls])
-    params = BootstrapParams(listen_address=HOST, listen_port=free_port(HOST),
-                             admin_address=HOST, admin_port=free_port(HOST), ext_proc=(),
-                             lb_policy=policy.envoy_lb_policy)
-    envoy = start_envoy(params, config, run_dir / "logs", fleet=fleet,
-                        concurrency=settings.envoy_concurrency)
+    params = BootstrapParams(
+        listen_address=HOST,
+        listen_port=free_port(HOST),
+        admin_address=HOST,
+        admin_port=free_port(HOST),
+        ext_proc=(),
+        lb_policy=policy.envoy_lb_policy,
+    )
+    envoy = start_envoy(
+        params, config, run_dir / "logs", fleet=fleet, concurrency=settings.envoy_concurrency
+    )
     try:
         base = f"http://{HOST}:{params.listen_port}"
         wait_routable(base, model_of(urls[0]), [envoy])
@@ -148,9 +169,13 @@ def run_live(
         urls = stack.enter_context(simulated_fleet(settings, run_dir / "logs"))
         base_url = stack.enter_context(policy_stack(policy, urls, settings, run_dir))
         model = model_of(urls[0])
-        driver = DriverSettings(base_url=base_url, model=model, time_scale=settings.time_scale,
-                                max_duration_s=settings.max_duration_s,
-                                request_timeout_s=settings.request_timeout_s)
+        driver = DriverSettings(
+            base_url=base_url,
+            model=model,
+            time_scale=settings.time_scale,
+            max_duration_s=settings.max_duration_s,
+            request_timeout_s=settings.request_timeout_s,
+        )
         return measure(workload, policy.value, driver, urls, on_done=on_done)
     raise AssertionError("unreachable")  # pragma: no cover - ExitStack does not swallow
 
@@ -165,8 +190,9 @@ def measure(
 ) -> RunResult:
     """Drive ``workload`` through ``driver.base_url``; the fleet at ``urls`` is measured."""
 
-    async def go() -> tuple[list[InstanceMetrics], list[InstanceMetrics], DriveOutcome,
-                            dict[str, int], float]:
+    async def go() -> tuple[
+        list[InstanceMetrics], list[InstanceMetrics], DriveOutcome, dict[str, int], float
+    ]:
         before = await scrape_fleet(urls)
         sampler = Sampler(urls)
         sampler.start()
@@ -198,14 +224,16 @@ def measure(
             "wall_s": round(outcome.wall_s, 1),
             "not_sent": workload.num_requests - len(outcome.records),
             "instance_mean_ttft_s": sum(d.ttft_sum for d in deltas) / ttft_count
-            if ttft_count else None,
+            if ttft_count
+            else None,
             "preemptions": sum(d.preemptions for d in deltas),
         },
     )
 
 
-def _run_async(coro: object) -> tuple[list[InstanceMetrics], list[InstanceMetrics],
-                                       DriveOutcome, dict[str, int], float]:
+def _run_async(
+    coro: object,
+) -> tuple[list[InstanceMetrics], list[InstanceMetrics], DriveOutcome, dict[str, int], float]:
     try:
         import uvloop
 
@@ -234,17 +262,21 @@ def _instance_stats(
             record.instance = by_port[record.instance].split("://", 1)[-1]
     stats = []
     for url, d in zip(urls, deltas, strict=True):
-        stats.append(InstanceStats(
-            id=url.split("://", 1)[-1],
-            requests=int(d.requests),
-            peak_in_flight=d.peak_in_flight if d.peak_in_flight is not None
-            else client_peaks.get(url, sampled.get(url, 0)),
-            busy=min(1.0, d.busy_s / model_span_s) if d.busy_s is not None and model_span_s
-            else None,
-            queries=int(d.queries),
-            hits=int(d.hits),
-            mean_ttft_s=d.ttft_sum / d.ttft_count if d.ttft_count else None,
-        ))
+        stats.append(
+            InstanceStats(
+                id=url.split("://", 1)[-1],
+                requests=int(d.requests),
+                peak_in_flight=d.peak_in_flight
+                if d.peak_in_flight is not None
+                else client_peaks.get(url, sampled.get(url, 0)),
+                busy=min(1.0, d.busy_s / model_span_s)
+                if d.busy_s is not None and model_span_s
+                else None,
+                queries=int(d.queries),
+                hits=int(d.hits),
+                mean_ttft_s=d.ttft_sum / d.ttft_count if d.ttft_count else None,
+            )
+        )
     return stats
 
 
@@ -259,7 +291,10 @@ def compute_bounds(
         if record.error is not None:
             continue
         data = orjson.loads(request.body)
-        prompt = (chat_prompt_tokens(data) if request.endpoint == "chat"
-                  else completion_prompt_tokens(data))
+        prompt = (
+            chat_prompt_tokens(data)
+            if request.endpoint == "chat"
+            else completion_prompt_tokens(data)
+        )
         tracker.add_tokens(prompt, tokenize(request.output), model=model)
     return tracker.result()

@@ -42,9 +42,7 @@ class PoolBounds(BoundsTracker):
         self.trackers = {m: BoundsTracker(capacity_blocks=c) for m, c in capacity_blocks.items()}
         self.model = next(iter(self.trackers))
 
-    def add(
-        self, hashes: Sequence[BlockHash], *, prompt_tokens: int, total_tokens: int
-    ) -> None:
+    def add(self, hashes: Sequence[BlockHash], *, prompt_tokens: int, total_tokens: int) -> None:
         self.trackers[self.model].add(
             hashes, prompt_tokens=prompt_tokens, total_tokens=total_tokens
         )
@@ -88,8 +86,10 @@ class PooledSimulation(Simulation):
             for i in itertools.count()
         )
         blocks = settings.engine.num_gpu_blocks
-        counts = {m: sum(m in served[i % len(served)] for i in range(settings.instances))
-                  for m in self.mix}
+        counts = {
+            m: sum(m in served[i % len(served)] for i in range(settings.instances))
+            for m in self.mix
+        }
         self._pool_bounds = PoolBounds({m: max(1, blocks * n) for m, n in counts.items()})
         self._bounds = self._pool_bounds
         self._rr_of: dict[str, int] = {}

@@ -87,8 +87,7 @@ def headline_table(by_workload: Mapping[str, Sequence[RunResult]]) -> str:
 
     def cells(results: Sequence[RunResult], fmt: Callable[[RunResult], str]) -> str:
         by_policy = {r.policy: r for r in results}
-        return " / ".join(fmt(by_policy[p]) if p in by_policy else "-"
-                          for p in HEADLINE_POLICIES)
+        return " / ".join(fmt(by_policy[p]) if p in by_policy else "-" for p in HEADLINE_POLICIES)
 
     lines = [
         "| workload | token hit rate | fleet-LRU bound | TTFT P50 ms | TTFT P99 ms "
@@ -108,9 +107,7 @@ def headline_table(by_workload: Mapping[str, Sequence[RunResult]]) -> str:
             f"{cells(results, lambda r: f'{r.throughput_rps:.2f}')} | "
             f"{cells(results, lambda r: str(r.peak_in_flight))} | **{change}** |"
         )
-    return "\n".join(
-        [f"Each cell: {' / '.join(HEADLINE_POLICIES)}.", "", *lines]
-    )
+    return "\n".join([f"Each cell: {' / '.join(HEADLINE_POLICIES)}.", "", *lines])
 
 
 def _rel(a: float | None, b: float | None) -> str:
@@ -188,8 +185,9 @@ def plot_hit_rate(results: Sequence[RunResult], path: Path, title: str) -> None:
     plt = _pyplot()
     fig, ax = plt.subplots(figsize=(6, 3.2))
     names = [r.policy for r in results]
-    ax.bar(names, [r.hit_rate * 100 for r in results],
-           color=[_COLORS.get(n, "#333333") for n in names])
+    ax.bar(
+        names, [r.hit_rate * 100 for r in results], color=[_COLORS.get(n, "#333333") for n in names]
+    )
     bounds = next((r.bounds for r in results if r.bounds), None)
     if bounds:
         ax.axhline(bounds.infinite * 100, ls="--", color="black", lw=1, label="infinite cache")
@@ -223,8 +221,14 @@ def plot_instances(results: Sequence[RunResult], path: Path, title: str) -> None
         xs = [j + k * width for j in range(len(requests))]
         top.bar(xs, requests, width, label=r.policy, color=color)
         bottom.bar(xs, peaks, width, color=color)
-    threshold = next((r.notes.get("concurrency_threshold") for r in results
-                      if r.notes.get("concurrency_threshold")), None)
+    threshold = next(
+        (
+            r.notes.get("concurrency_threshold")
+            for r in results
+            if r.notes.get("concurrency_threshold")
+        ),
+        None,
+    )
     if threshold:
         bottom.axhline(threshold, ls=":", color="black", lw=1, label="ConcurrencyThreshold")
         bottom.legend(fontsize=7, loc="upper right")
@@ -249,8 +253,12 @@ def plot_windows(results: Sequence[RunResult], path: Path, title: str) -> None:
     fig, ax = plt.subplots(figsize=(6.4, 3.2))
     for r in results:
         if r.windows:
-            ax.plot([w[0] for w in r.windows], [w[1] * 100 for w in r.windows],
-                    label=r.policy, color=_COLORS.get(r.policy))
+            ax.plot(
+                [w[0] for w in r.windows],
+                [w[1] * 100 for w in r.windows],
+                label=r.policy,
+                color=_COLORS.get(r.policy),
+            )
     events = next((r.events for r in results if r.events), [])
     for at, what in events:
         ax.axvline(at, color="black", ls="--", lw=0.8)
@@ -268,8 +276,11 @@ def plot_windows(results: Sequence[RunResult], path: Path, title: str) -> None:
 
 def write_plots(results: Sequence[RunResult], folder: Path, stem: str, title: str) -> list[Path]:
     folder.mkdir(parents=True, exist_ok=True)
-    paths = [folder / f"{stem}-ttft-cdf.png", folder / f"{stem}-hit-rate.png",
-             folder / f"{stem}-instances.png"]
+    paths = [
+        folder / f"{stem}-ttft-cdf.png",
+        folder / f"{stem}-hit-rate.png",
+        folder / f"{stem}-instances.png",
+    ]
     plot_ttft_cdf(results, paths[0], title)
     plot_hit_rate(results, paths[1], title)
     plot_instances(results, paths[2], title)
@@ -296,8 +307,10 @@ def check_goals(
         if rr is None:
             continue
         busy = rr.min_busy
-        lines.append(f"- {workload}: round robin keeps every instance >= {_pct(busy)} busy "
-                     f"({verdict(busy is not None and busy >= 0.6)} the >= 60% load condition)")
+        lines.append(
+            f"- {workload}: round robin keeps every instance >= {_pct(busy)} busy "
+            f"({verdict(busy is not None and busy >= 0.6)} the >= 60% load condition)"
+        )
         for policy in PREFIX_POLICIES:
             r = get(workload, policy)
             if r is None or r.bounds is None:
@@ -317,17 +330,21 @@ def check_goals(
         if rr is not None and r is not None:
             change = r.ttft(50) / rr.ttft(50) - 1
             # Nothing to share: routing must cost nothing visible. Faster is no miss.
-            lines.append(f"- unique, {policy}: P50 TTFT {change * 100:+.1f}% vs round robin "
-                         f"({verdict(change <= 0.05)}, goal at most +5%)")
+            lines.append(
+                f"- unique, {policy}: P50 TTFT {change * 100:+.1f}% vs round robin "
+                f"({verdict(change <= 0.05)}, goal at most +5%)"
+            )
     spill, nospill = get("hot-prefix", "prefix-spill"), get("hot-prefix", "prefix")
     if spill is not None and nospill is not None:
         limit = threshold if threshold is not None else spill.notes.get("concurrency_threshold")
         peak = spill.peak_in_flight
         under = limit is not None and peak <= int(limit)
-        lines.append(f"- hot-prefix, with spill: peak in flight {peak} per instance vs "
-                     f"ConcurrencyThreshold {limit} ({verdict(under)}); P99 TTFT "
-                     f"{_ms(spill.ttft(99))} ms vs {_ms(nospill.ttft(99))} ms without spill "
-                     f"({verdict(spill.ttft(99) < nospill.ttft(99))})")
+        lines.append(
+            f"- hot-prefix, with spill: peak in flight {peak} per instance vs "
+            f"ConcurrencyThreshold {limit} ({verdict(under)}); P99 TTFT "
+            f"{_ms(spill.ttft(99))} ms vs {_ms(nospill.ttft(99))} ms without spill "
+            f"({verdict(spill.ttft(99) < nospill.ttft(99))})"
+        )
     return lines
 
 
@@ -337,8 +354,13 @@ CurvePoint = tuple[float, float, float]
 """``(offered rate, TTFT P50 s, TTFT P99 s)`` of one run."""
 
 
-def plot_capacity(curves: Mapping[str, Sequence[CurvePoint]], knees: Mapping[str, float | None],
-                  objective: tuple[float, float], path: Path, title: str) -> None:
+def plot_capacity(
+    curves: Mapping[str, Sequence[CurvePoint]],
+    knees: Mapping[str, float | None],
+    objective: tuple[float, float],
+    path: Path,
+    title: str,
+) -> None:
     """TTFT P50 (dashed) and P99 (solid) against offered rate per policy, the objective's
     bounds in black, each policy's knee (its capacity) as a dotted vertical line."""
     plt = _pyplot()
@@ -348,13 +370,26 @@ def plot_capacity(curves: Mapping[str, Sequence[CurvePoint]], knees: Mapping[str
         ordered = sorted(points)
         xs = [p[0] for p in ordered]
         ax.plot(xs, [p[1] * 1000 for p in ordered], ls="--", marker=".", color=color, lw=1)
-        ax.plot(xs, [p[2] * 1000 for p in ordered], ls="-", marker=".", color=color, lw=1.5,
-                label=policy)
+        ax.plot(
+            xs,
+            [p[2] * 1000 for p in ordered],
+            ls="-",
+            marker=".",
+            color=color,
+            lw=1.5,
+            label=policy,
+        )
         knee = knees.get(policy)
         if knee:
             ax.axvline(knee, ls=":", color=color, lw=1.2)
-            ax.annotate(f"{knee:.3g}", (knee, objective[1] * 1000 * 1.6 ** k), color=color,
-                        fontsize=7, ha="right", va="bottom")  # staggered: knees may be close
+            ax.annotate(
+                f"{knee:.3g}",
+                (knee, objective[1] * 1000 * 1.6**k),
+                color=color,
+                fontsize=7,
+                ha="right",
+                va="bottom",
+            )  # staggered: knees may be close
     p50, p99 = objective
     ax.axhline(p50 * 1000, color="black", ls="--", lw=0.8, label=f"objective P50 {p50:g} s")
     ax.axhline(p99 * 1000, color="black", ls="-", lw=0.8, label=f"objective P99 {p99:g} s")
@@ -370,8 +405,12 @@ def plot_capacity(curves: Mapping[str, Sequence[CurvePoint]], knees: Mapping[str
     plt.close(fig)
 
 
-def plot_fleet_needs(needs: Mapping[str, Mapping[str, int | None]], path: Path, title: str,
-                     reference: int | None = None) -> None:
+def plot_fleet_needs(
+    needs: Mapping[str, Mapping[str, int | None]],
+    path: Path,
+    title: str,
+    reference: int | None = None,
+) -> None:
     """Instances each policy needs per workload (bars grouped by workload); a policy that
     needs more than the search's largest fleet has no bar."""
     plt = _pyplot()
@@ -385,8 +424,13 @@ def plot_fleet_needs(needs: Mapping[str, Mapping[str, int | None]], path: Path, 
         bars = ax.bar(xs, heights, width, label=policy, color=_COLORS.get(policy))
         for bar, h in zip(bars, heights, strict=True):
             if h:
-                ax.annotate(str(h), (bar.get_x() + bar.get_width() / 2, h), ha="center",
-                            va="bottom", fontsize=7)
+                ax.annotate(
+                    str(h),
+                    (bar.get_x() + bar.get_width() / 2, h),
+                    ha="center",
+                    va="bottom",
+                    fontsize=7,
+                )
     if reference:
         ax.axhline(reference, color="black", ls=":", lw=1)
     ax.set_xticks([j + 0.4 - width / 2 for j in range(len(workloads))])

@@ -248,8 +248,9 @@ def _system_prompt(p: SystemPromptParams) -> Iterator[Arrival]:
     for n, t in zip(range(p.requests), _arrival_times(rng, p.rate, p), strict=False):
         i = rng.choices(range(p.prompts), cum_weights=weights)[0]
         question = filler(f"{p.seed}:user:{n}", rng.randint(p.user_min, p.user_max))
-        turn = Turn(max_tokens=_output(rng, p),
-                    messages=(("system", prompts[i]), ("user", question)))
+        turn = Turn(
+            max_tokens=_output(rng, p), messages=(("system", prompts[i]), ("user", question))
+        )
         yield _single(t, f"system-{i}", turn)
 
 
@@ -259,8 +260,9 @@ def _hot_prefix(p: HotPrefixParams) -> Iterator[Arrival]:
     for n, t in zip(range(p.requests), _arrival_times(rng, p.rate, p), strict=False):
         i = 0 if rng.random() < p.hot_share else rng.randrange(1, p.prompts)
         question = filler(f"{p.seed}:user:{n}", rng.randint(p.user_min, p.user_max))
-        turn = Turn(max_tokens=_output(rng, p),
-                    messages=(("system", prompts[i]), ("user", question)))
+        turn = Turn(
+            max_tokens=_output(rng, p), messages=(("system", prompts[i]), ("user", question))
+        )
         yield _single(t, "hot" if i == 0 else f"system-{i}", turn)
 
 
@@ -275,8 +277,9 @@ def _rag(p: RagParams) -> Iterator[Arrival]:
         d = rng.choices(range(p.docs), cum_weights=weights)[0]
         question = filler(f"{p.seed}:question:{n}", rng.randint(p.question_min, p.question_max))
         content = f"<document id={d}>\n{docs[d]}\n</document>\nQuestion: {question}"
-        turn = Turn(max_tokens=_output(rng, p),
-                    messages=(("system", instruction), ("user", content)))
+        turn = Turn(
+            max_tokens=_output(rng, p), messages=(("system", instruction), ("user", content))
+        )
         yield _single(t, f"doc-{d}", turn)
 
 
@@ -357,8 +360,9 @@ def _group_prompts(p: GroupPromptsParams) -> Iterator[Arrival]:
             rng.shuffle(order)
         g = order.pop()
         question = filler(f"{p.seed}:group-user:{n}", rng.randint(p.user_min, p.user_max))
-        turn = Turn(max_tokens=_output(rng, p),
-                    messages=(("system", prompts[g]), ("user", question)))
+        turn = Turn(
+            max_tokens=_output(rng, p), messages=(("system", prompts[g]), ("user", question))
+        )
         yield _single(t, f"group-{g}", turn)
 
 
@@ -433,8 +437,9 @@ def make_params(name: str, overrides: Mapping[str, str | int | float] | None = N
     for key, raw in (overrides or {}).items():
         key = key.replace("-", "_")
         if key not in fields:
-            raise ValueError(f"workload {name!r} has no parameter {key!r}; "
-                             f"known: {', '.join(sorted(fields))}")
+            raise ValueError(
+                f"workload {name!r} has no parameter {key!r}; known: {', '.join(sorted(fields))}"
+            )
         kind = type(fields[key].default)
         if kind in (int, float) and isinstance(raw, str | int):
             raw = kind(raw)

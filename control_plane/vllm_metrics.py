@@ -89,9 +89,7 @@ class VllmReading:
         return ratio(self.prefix_cache_hits, self.prefix_cache_queries)
 
 
-def learned_rate(
-    new: VllmReading, old: VllmReading | None, elapsed_s: float
-) -> float | None:
+def learned_rate(new: VllmReading, old: VllmReading | None, elapsed_s: float) -> float | None:
     """The instance's prefill rate over the ``elapsed_s`` between two readings (see
     :func:`prefix_router.core.work.learned_prefill_rate`); None if it cannot tell."""
     if old is None:

@@ -27,9 +27,13 @@ B = "b" * (10 * CHUNK_CHARS)
 
 
 def test_documented_defaults() -> None:
-    assert (DEFAULTS.cache_threshold, DEFAULTS.balance_abs_threshold,
-            DEFAULTS.balance_rel_threshold, DEFAULTS.eviction_interval_s,
-            DEFAULTS.max_tree_size) == (0.3, 64, 1.5, 120.0, 67_108_864)
+    assert (
+        DEFAULTS.cache_threshold,
+        DEFAULTS.balance_abs_threshold,
+        DEFAULTS.balance_rel_threshold,
+        DEFAULTS.eviction_interval_s,
+        DEFAULTS.max_tree_size,
+    ) == (0.3, 64, 1.5, 120.0, 67_108_864)
 
 
 @pytest.mark.parametrize(
@@ -142,12 +146,27 @@ def test_routing_text_is_what_the_model_reads() -> None:
 
 
 def test_in_the_simulation_a_shared_prompt_stays_with_its_first_worker_at_light_load() -> None:
-    workload = generate("system-prompt", {"requests": 60, "rate": 2.0, "prompts": 4,
-                                          "prompt_tokens": 600, "user_max": 60,
-                                          "output_min": 2, "output_max": 4})
-    result = simulate(workload, DesSettings(policy=Policy.CACHE_AWARE, router=RouterConfig(),
-                                            engine=make_config(num_gpu_blocks=4096),
-                                            instances=4))
+    workload = generate(
+        "system-prompt",
+        {
+            "requests": 60,
+            "rate": 2.0,
+            "prompts": 4,
+            "prompt_tokens": 600,
+            "user_max": 60,
+            "output_min": 2,
+            "output_max": 4,
+        },
+    )
+    result = simulate(
+        workload,
+        DesSettings(
+            policy=Policy.CACHE_AWARE,
+            router=RouterConfig(),
+            engine=make_config(num_gpu_blocks=4096),
+            instances=4,
+        ),
+    )
     homes: dict[str, set[str | None]] = defaultdict(set)
     for arrival, record in zip(workload, result.records, strict=True):
         homes[arrival.group].add(record.instance)
@@ -156,6 +175,7 @@ def test_in_the_simulation_a_shared_prompt_stays_with_its_first_worker_at_light_
     with pytest.raises(ValueError, match="simulation only"):
         from bench.live import LiveSettings, policy_stack
 
-        with policy_stack(Policy.CACHE_AWARE, [], LiveSettings(router=RouterConfig()),
-                          run_dir=None):  # type: ignore[arg-type]
+        with policy_stack(
+            Policy.CACHE_AWARE, [], LiveSettings(router=RouterConfig()), run_dir=None
+        ):  # type: ignore[arg-type]
             pass

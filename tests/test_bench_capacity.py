@@ -44,13 +44,13 @@ def knees(*per_seed: float) -> dict[int, float]:
 
 RATE_CASES = [
     # (knee per seed, start, factor, precision)
-    (knees(10.0, 10.0, 10.0), 1.0, 1.4, 0.05),     # start far below
-    (knees(10.0, 10.0, 10.0), 500.0, 1.4, 0.05),   # far above
-    (knees(10.0, 10.0, 10.0), 10.0, 1.4, 0.05),    # exactly at it
-    (knees(37.3, 37.3, 37.3), 20.0, 2.0, 0.01),    # fine precision
-    (knees(50.0, 30.0, 45.0), 20.0, 1.4, 0.05),    # seed 1 optimistic: confirmation fails
-    (knees(30.0, 50.0, 29.0), 100.0, 1.4, 0.05),   # seed 1 close, seed 3 lowest
-    (knees(9.0, 10.0), 9.0, 1.5, 0.02),            # two seeds
+    (knees(10.0, 10.0, 10.0), 1.0, 1.4, 0.05),  # start far below
+    (knees(10.0, 10.0, 10.0), 500.0, 1.4, 0.05),  # far above
+    (knees(10.0, 10.0, 10.0), 10.0, 1.4, 0.05),  # exactly at it
+    (knees(37.3, 37.3, 37.3), 20.0, 2.0, 0.01),  # fine precision
+    (knees(50.0, 30.0, 45.0), 20.0, 1.4, 0.05),  # seed 1 optimistic: confirmation fails
+    (knees(30.0, 50.0, 29.0), 100.0, 1.4, 0.05),  # seed 1 close, seed 3 lowest
+    (knees(9.0, 10.0), 9.0, 1.5, 0.02),  # two seeds
 ]
 
 
@@ -61,8 +61,7 @@ def test_the_rate_search_brackets_the_lowest_seeds_knee(
     def passes(rate: float, seed: int) -> bool:
         return rate <= knee[seed]
 
-    found = search_rate(passes, start=start, seeds=tuple(knee), factor=factor,
-                        precision=precision)
+    found = search_rate(passes, start=start, seeds=tuple(knee), factor=factor, precision=precision)
     assert found.lo is not None and found.hi is not None
     assert found.lo <= min(knee.values()) < found.hi
     assert found.hi / found.lo <= 1 + precision + 1e-3  # rates rounded to 4 digits
@@ -95,8 +94,8 @@ FLEET_CASES = [
     (knees(8, 8, 8), 8, 4, 64, 8),
     (knees(8, 8, 8), 4, 4, 64, 8),
     (knees(8, 8, 8), 64, 4, 64, 8),
-    (knees(5, 9, 7), 5, 4, 64, 9),     # seed 1 optimistic: the answer moves up
-    (knees(3, 3, 3), 10, 4, 64, 4),    # the smallest fleet searched passes
+    (knees(5, 9, 7), 5, 4, 64, 9),  # seed 1 optimistic: the answer moves up
+    (knees(3, 3, 3), 10, 4, 64, 4),  # the smallest fleet searched passes
     (knees(70, 70, 70), 10, 4, 64, None),  # not even the largest
     (knees(33, 31, 32), 17, 4, 64, 33),
 ]
@@ -106,16 +105,24 @@ FLEET_CASES = [
 def test_the_fleet_search_finds_the_smallest_fleet_every_seed_passes(
     need: dict[int, float], guess: int, lo: int, hi: int, expected: int | None
 ) -> None:
-    found = search_fleet(lambda n, seed: n >= need[seed], guess=guess, lo=lo, hi=hi,
-                         seeds=tuple(need))
+    found = search_fleet(
+        lambda n, seed: n >= need[seed], guess=guess, lo=lo, hi=hi, seeds=tuple(need)
+    )
     assert found.instances == expected
     assert len(found.runs) <= 3 * (2 * math.log2(hi - lo + 1) + 2 + len(need))
 
 
-@pytest.mark.parametrize(("instances", "load", "capacity", "expected"), [
-    (8, 10.0, 10.0, 8), (8, 10.0, 20.0, 4), (8, 10.0, 13.0, 7), (8, 10.0, 1.0, 64),
-    (8, 10.0, None, 64), (8, 1.0, 100.0, 4),
-])
+@pytest.mark.parametrize(
+    ("instances", "load", "capacity", "expected"),
+    [
+        (8, 10.0, 10.0, 8),
+        (8, 10.0, 20.0, 4),
+        (8, 10.0, 13.0, 7),
+        (8, 10.0, 1.0, 64),
+        (8, 10.0, None, 64),
+        (8, 1.0, 100.0, 4),
+    ],
+)
 def test_the_fleet_guess_scales_linearly_within_the_range(
     instances: int, load: float, capacity: float | None, expected: int
 ) -> None:
@@ -123,53 +130,105 @@ def test_the_fleet_guess_scales_linearly_within_the_range(
 
 
 def record(at: float, ttft: float | None, error: str | None = None) -> RequestRecord:
-    return RequestRecord(arrival_s=at, instance="a", ttft_s=ttft, e2e_s=ttft,
-                         output_tokens=10, error=error)
+    return RequestRecord(
+        arrival_s=at, instance="a", ttft_s=ttft, e2e_s=ttft, output_tokens=10, error=error
+    )
 
 
 def result_of(records: list[RequestRecord]) -> RunResult:
-    return RunResult(mode="des", workload="w", policy="round-robin", params="",
-                     records=records, instances=[], duration_s=10.0)
+    return RunResult(
+        mode="des",
+        workload="w",
+        policy="round-robin",
+        params="",
+        records=records,
+        instances=[],
+        duration_s=10.0,
+    )
 
 
 def test_a_probe_measures_only_its_window() -> None:
-    slow_warmup = [record(t * 0.1, 9.0) for t in range(10)]      # 0.0 .. 0.9 s: cold caches
-    steady = [record(1 + t * 0.1, 0.1) for t in range(80)]       # 1.0 .. 8.9 s
-    drain = [record(9.5, 5.0)]                                   # after the last new arrival
-    probe = measure(result_of(slow_warmup + steady + drain), (1.0, 9.0), Objective(),
-                    rate=10.0, instances=2, seed=1)
+    slow_warmup = [record(t * 0.1, 9.0) for t in range(10)]  # 0.0 .. 0.9 s: cold caches
+    steady = [record(1 + t * 0.1, 0.1) for t in range(80)]  # 1.0 .. 8.9 s
+    drain = [record(9.5, 5.0)]  # after the last new arrival
+    probe = measure(
+        result_of(slow_warmup + steady + drain),
+        (1.0, 9.0),
+        Objective(),
+        rate=10.0,
+        instances=2,
+        seed=1,
+    )
     assert probe.passed and probe.requests == 80 and probe.good == 80
     assert probe.p99_s == pytest.approx(0.1) and probe.window_s == 8.0
     assert probe.goodput_rps == 10.0 and probe.goodput_tps == 100.0
 
 
-@pytest.mark.parametrize(("records", "objective", "passed"), [
-    ([record(1, 0.1)] * 98 + [record(1, 3.0)] * 2, Objective(), False),   # P99 over 2 s
-    ([record(1, 0.1)] * 99 + [record(1, 3.0)], Objective(), True),         # P99 interpolated
-    ([record(1, 0.6)] * 100, Objective(), False),                          # P50 over 0.5 s
-    ([record(1, 0.6)] * 100, Objective(p50_s=1.0), True),
-    ([record(1, 0.1)] * 99 + [record(1, None, "500")], Objective(), False),  # an error
-    # An allowed error still counts as a request that never got its first token:
-    ([record(1, 0.1)] * 99 + [record(1, None, "500")], Objective(max_errors=1), False),
-    ([record(1, 0.1)] * 199 + [record(1, None, "500")], Objective(max_errors=1), True),
-    ([record(20, 0.1)], Objective(), False),                               # nothing measured
-])
-def test_the_objective_verdict(records: list[RequestRecord], objective: Objective,
-                               passed: bool) -> None:
+@pytest.mark.parametrize(
+    ("records", "objective", "passed"),
+    [
+        ([record(1, 0.1)] * 98 + [record(1, 3.0)] * 2, Objective(), False),  # P99 over 2 s
+        ([record(1, 0.1)] * 99 + [record(1, 3.0)], Objective(), True),  # P99 interpolated
+        ([record(1, 0.6)] * 100, Objective(), False),  # P50 over 0.5 s
+        ([record(1, 0.6)] * 100, Objective(p50_s=1.0), True),
+        ([record(1, 0.1)] * 99 + [record(1, None, "500")], Objective(), False),  # an error
+        # An allowed error still counts as a request that never got its first token:
+        ([record(1, 0.1)] * 99 + [record(1, None, "500")], Objective(max_errors=1), False),
+        ([record(1, 0.1)] * 199 + [record(1, None, "500")], Objective(max_errors=1), True),
+        ([record(20, 0.1)], Objective(), False),  # nothing measured
+    ],
+)
+def test_the_objective_verdict(
+    records: list[RequestRecord], objective: Objective, passed: bool
+) -> None:
     probe = measure(result_of(records), (0.0, 10.0), objective, rate=1, instances=1, seed=1)
     assert probe.passed is passed
 
 
-TINY = ["--set", "prompts=4", "--set", "prompt_tokens=600", "--set", "output_min=16",
-        "--set", "output_max=48"]
+TINY = [
+    "--set",
+    "prompts=4",
+    "--set",
+    "prompt_tokens=600",
+    "--set",
+    "output_min=16",
+    "--set",
+    "output_max=48",
+]
 
 
 def test_bench_capacity_end_to_end_brackets_the_knee(tmp_path: Path) -> None:
-    code = main(["bench", "capacity", "--workload", "system-prompt", *TINY,
-                 "--policies", "round-robin,prefix-spill", "--instances", "2",
-                 "--num-gpu-blocks", "2000", "--prefill-tokens-per-s", "6000",
-                 "--run-requests", "300", "--seeds", "2", "--start", "5", "--precision", "0.1",
-                 "--fleet-min", "1", "--fleet-max", "6", "--out", str(tmp_path)])
+    code = main(
+        [
+            "bench",
+            "capacity",
+            "--workload",
+            "system-prompt",
+            *TINY,
+            "--policies",
+            "round-robin,prefix-spill",
+            "--instances",
+            "2",
+            "--num-gpu-blocks",
+            "2000",
+            "--prefill-tokens-per-s",
+            "6000",
+            "--run-requests",
+            "300",
+            "--seeds",
+            "2",
+            "--start",
+            "5",
+            "--precision",
+            "0.1",
+            "--fleet-min",
+            "1",
+            "--fleet-max",
+            "6",
+            "--out",
+            str(tmp_path),
+        ]
+    )
     assert code == 0
     saved = json.loads((tmp_path / "system-prompt.json").read_text())
     assert {"objective", "plan", "search", "capacities", "needs", "load"} <= set(saved)
@@ -189,26 +248,47 @@ def test_bench_capacity_end_to_end_brackets_the_knee(tmp_path: Path) -> None:
         lo, hi = capacity.search.lo, capacity.search.hi
         assert lo is not None and hi is not None and hi / lo <= 1.1 + 1e-3
         # The answer brackets the knee in fresh runs: every seed passes at lo, one fails at hi.
-        setup = ProbeSetup(workload="system-prompt",
-                           overrides=(("output_max", "48"), ("output_min", "16"),
-                                      ("prompt_tokens", "600"), ("prompts", "4")),
-                           policy=Policy(capacity.policy),
-                           engine=make_config(num_gpu_blocks=2000, prefill_tokens_per_s=6000),
-                           router=RouterConfig(), plan=RunPlan(requests=300))
+        setup = ProbeSetup(
+            workload="system-prompt",
+            overrides=(
+                ("output_max", "48"),
+                ("output_min", "16"),
+                ("prompt_tokens", "600"),
+                ("prompts", "4"),
+            ),
+            policy=Policy(capacity.policy),
+            engine=make_config(num_gpu_blocks=2000, prefill_tokens_per_s=6000),
+            router=RouterConfig(),
+            plan=RunPlan(requests=300),
+        )
         assert all(run_probe(setup, lo, 2, seed).passed for seed in (1, 2))
         assert not all(run_probe(setup, hi, 2, seed).passed for seed in (1, 2))
 
 
 def sweep_of(policies: dict[str, float], load: float | None = 10.0) -> WorkloadCapacity:
     """A saved sweep with the given capacities (and a fleet need of 8 for each)."""
-    caps = [Capacity(policy=p, instances=8, search=RateSearch(lo, lo * 1.05, ()), probes=[])
-            for p, lo in policies.items()]
-    needs = [FleetNeed(policy=p, rate=load or 0.0, search=FleetSearch(8, ()), probes=[])
-             for p in policies]
-    return WorkloadCapacity(workload="w", params="", fleet="", instances=8,
-                            objective=Objective(), plan=RunPlan(),
-                            search=SearchSettings(start=1.0), capacities=caps, load=load,
-                            needs=needs, wall_s=1.0, cpu_s=2.0)
+    caps = [
+        Capacity(policy=p, instances=8, search=RateSearch(lo, lo * 1.05, ()), probes=[])
+        for p, lo in policies.items()
+    ]
+    needs = [
+        FleetNeed(policy=p, rate=load or 0.0, search=FleetSearch(8, ()), probes=[])
+        for p in policies
+    ]
+    return WorkloadCapacity(
+        workload="w",
+        params="",
+        fleet="",
+        instances=8,
+        objective=Objective(),
+        plan=RunPlan(),
+        search=SearchSettings(start=1.0),
+        capacities=caps,
+        load=load,
+        needs=needs,
+        wall_s=1.0,
+        cpu_s=2.0,
+    )
 
 
 def test_a_rerun_of_one_policy_keeps_the_others_in_policy_order() -> None:
@@ -216,9 +296,17 @@ def test_a_rerun_of_one_policy_keeps_the_others_in_policy_order() -> None:
     new = sweep_of({"prefix-spill": 20.0, "cache-aware": 15.0})
     merged = merge(old, new)
     assert [(c.policy, c.search.lo) for c in merged.capacities] == [
-        ("round-robin", 10.0), ("prefix", 30.0), ("prefix-spill", 20.0), ("cache-aware", 15.0)]
+        ("round-robin", 10.0),
+        ("prefix", 30.0),
+        ("prefix-spill", 20.0),
+        ("cache-aware", 15.0),
+    ]
     assert [n.policy for n in merged.needs] == [
-        "round-robin", "prefix", "prefix-spill", "cache-aware"]
+        "round-robin",
+        "prefix",
+        "prefix-spill",
+        "cache-aware",
+    ]
     assert merged.wall_s == 2.0 and merged.cpu_s == 4.0
     assert same_settings(old, new)
     assert from_json(json.loads(json.dumps(to_json(merged)))) == merged  # survives JSON

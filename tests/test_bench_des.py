@@ -53,8 +53,10 @@ async def engine_ttfts(arrivals: list[Arrival]) -> list[float]:
     config = make_config(time_scale=1e6, **SMALL_STEPS)
     engine = Engine(config, wall_clock=lambda: 0.0)  # frozen wall: mid-step arrivals at 0
     engine.start()
-    params = [parse_generation(request_body(a.turns[0], model=config.model), "chat", config)
-              for a in arrivals]
+    params = [
+        parse_generation(request_body(a.turns[0], model=config.model), "chat", config)
+        for a in arrivals
+    ]
     handles = [engine.submit(params[0].params)]
     while not engine.scheduler.running:
         await asyncio.sleep(0)
@@ -68,9 +70,15 @@ async def engine_ttfts(arrivals: list[Arrival]) -> list[float]:
 async def test_one_instance_agrees_with_the_simulators_engine_exactly() -> None:
     arrivals = tiny_arrivals()
     expected = await engine_ttfts(arrivals)
-    result = simulate(workload_of(arrivals), DesSettings(
-        policy=Policy.ROUND_ROBIN, engine=make_config(**SMALL_STEPS),
-        router=RouterConfig(), instances=1))
+    result = simulate(
+        workload_of(arrivals),
+        DesSettings(
+            policy=Policy.ROUND_ROBIN,
+            engine=make_config(**SMALL_STEPS),
+            router=RouterConfig(),
+            instances=1,
+        ),
+    )
     assert [r.ttft_s for r in result.records] == pytest.approx(expected, rel=1e-9)
     assert len(set(expected)) >= 4  # chunked prefill and batching at work
     hits = sum(r.cached_tokens or 0 for r in result.records)
@@ -164,13 +172,26 @@ def test_a_new_prefix_starts_on_a_less_loaded_candidate_and_stays_there() -> Non
 
 
 def test_round_robin_and_least_request_spread_evenly() -> None:
-    workload = generate("unique", {"requests": 90, "rate": 100.0, "prompt_min": 20,
-                                   "prompt_max": 40, "output_min": 2, "output_max": 2})
-    rr = simulate(workload, DesSettings(policy=Policy.ROUND_ROBIN, engine=ENGINE,
-                                        router=RouterConfig(), instances=3))
+    workload = generate(
+        "unique",
+        {
+            "requests": 90,
+            "rate": 100.0,
+            "prompt_min": 20,
+            "prompt_max": 40,
+            "output_min": 2,
+            "output_max": 2,
+        },
+    )
+    rr = simulate(
+        workload,
+        DesSettings(policy=Policy.ROUND_ROBIN, engine=ENGINE, router=RouterConfig(), instances=3),
+    )
     assert sorted(i.requests for i in rr.instances) == [30, 30, 30]
-    lr = simulate(workload, DesSettings(policy=Policy.LEAST_REQUEST, engine=ENGINE,
-                                        router=RouterConfig(), instances=3))
+    lr = simulate(
+        workload,
+        DesSettings(policy=Policy.LEAST_REQUEST, engine=ENGINE, router=RouterConfig(), instances=3),
+    )
     assert all(i.requests > 15 for i in lr.instances)
 
 

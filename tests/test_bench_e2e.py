@@ -15,19 +15,45 @@ from tests.support.processes import children, kill_with_groups, new_since
 
 pytestmark = pytest.mark.e2e
 
-PARAMS = {"requests": 32, "rate": 4, "prompts": 4, "prompt_tokens": 400, "output_min": 4,
-          "output_max": 12}
-WORKLOAD = ["--workload", "system-prompt",
-            *(arg for k, v in PARAMS.items() for arg in ("--set", f"{k}={v}"))]
+PARAMS = {
+    "requests": 32,
+    "rate": 4,
+    "prompts": 4,
+    "prompt_tokens": 400,
+    "output_min": 4,
+    "output_max": 12,
+}
+WORKLOAD = [
+    "--workload",
+    "system-prompt",
+    *(arg for k, v in PARAMS.items() for arg in ("--set", f"{k}={v}")),
+]
 
 
 def test_bench_run_round_robin_and_prefix_through_the_real_stack(tmp_path: Path) -> None:
     before = children()
     try:
-        code = main(["bench", "run", *WORKLOAD, "--policies", "round-robin,prefix",
-                     "--instances", "2", "--time-scale", "20", "--ext-procs", "1",
-                     "--max-duration", "120", "--out", str(tmp_path),
-                     "--work-dir", str(tmp_path / "work")])
+        code = main(
+            [
+                "bench",
+                "run",
+                *WORKLOAD,
+                "--policies",
+                "round-robin,prefix",
+                "--instances",
+                "2",
+                "--time-scale",
+                "20",
+                "--ext-procs",
+                "1",
+                "--max-duration",
+                "120",
+                "--out",
+                str(tmp_path),
+                "--work-dir",
+                str(tmp_path / "work"),
+            ]
+        )
     finally:
         left = new_since(before)  # on every path: none may outlive the run, nor this test
         kill_with_groups(left)
@@ -38,8 +64,10 @@ def test_bench_run_round_robin_and_prefix_through_the_real_stack(tmp_path: Path)
     prefix = RunResult.load(tmp_path / "system-prompt" / "live-prefix.json")
     for result in (rr, prefix):
         assert len(result.records) == 32 and result.errors == 0
-        assert all(r.ttft_s is not None and r.e2e_s is not None and r.e2e_s >= r.ttft_s
-                   for r in result.records)
+        assert all(
+            r.ttft_s is not None and r.e2e_s is not None and r.e2e_s >= r.ttft_s
+            for r in result.records
+        )
         assert sum(i.requests for i in result.instances) == 32  # from the fleet's counters
         assert result.bounds is not None and 0 < result.bounds.fleet_lru <= 1
         # peak in flight is the instances' own high-water mark, at least 1 where requests ran

@@ -17,8 +17,12 @@ from vllm_sim import SimInstance, create_app, make_config
 async def test_counters_parsed_from_the_simulators_metrics_match_its_state() -> None:
     instance = SimInstance(make_config(time_scale=1e6, num_gpu_blocks=1000), name="a")
     transport = httpx.ASGITransport(app=create_app(instance))
-    body = {"model": instance.config.model, "max_tokens": 3, "ignore_eos": True,
-            "messages": [{"role": "user", "content": "x" * 400}]}
+    body = {
+        "model": instance.config.model,
+        "max_tokens": 3,
+        "ignore_eos": True,
+        "messages": [{"role": "user", "content": "x" * 400}],
+    }
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://sim") as client:
             for _ in range(3):
@@ -35,15 +39,33 @@ async def test_counters_parsed_from_the_simulators_metrics_match_its_state() -> 
     assert m.minus(m).queries == 0
 
 
-def result(policy: str, ttfts: list[float], *, hits: int, workload: str = "rag",
-           peak: int = 4, busy: float = 0.8, duration: float = 100.0) -> RunResult:
-    records = [RequestRecord(arrival_s=i, instance="a", ttft_s=t, e2e_s=t + 1, output_tokens=10)
-               for i, t in enumerate(ttfts)]
+def result(
+    policy: str,
+    ttfts: list[float],
+    *,
+    hits: int,
+    workload: str = "rag",
+    peak: int = 4,
+    busy: float = 0.8,
+    duration: float = 100.0,
+) -> RunResult:
+    records = [
+        RequestRecord(arrival_s=i, instance="a", ttft_s=t, e2e_s=t + 1, output_tokens=10)
+        for i, t in enumerate(ttfts)
+    ]
     return RunResult(
-        mode="live", workload=workload, policy=policy, params="", records=records,
-        instances=[InstanceStats(id="a", requests=len(ttfts), peak_in_flight=peak, busy=busy,
-                                 queries=1000, hits=hits)],
-        duration_s=duration, bounds=CacheBounds(0.95, 0.9, 1000, 100),
+        mode="live",
+        workload=workload,
+        policy=policy,
+        params="",
+        records=records,
+        instances=[
+            InstanceStats(
+                id="a", requests=len(ttfts), peak_in_flight=peak, busy=busy, queries=1000, hits=hits
+            )
+        ],
+        duration_s=duration,
+        bounds=CacheBounds(0.95, 0.9, 1000, 100),
         notes={"concurrency_threshold": 16},
     )
 
@@ -59,17 +81,27 @@ def test_goal_verdicts_follow_the_numbers() -> None:
     spill_line = next(line for line in lines if "- prefix-spill:" in line)
     assert prefix_line.count("**met**") == 3
     assert spill_line.count("**missed**") == 2 and "-70%" in spill_line
-    hot = check_goals({"hot-prefix": [
-        result("prefix", [0.1] * 99 + [5.0], hits=500, workload="hot-prefix", peak=40),
-        result("prefix-spill", [0.1] * 99 + [2.0], hits=500, workload="hot-prefix", peak=17),
-    ]})
+    hot = check_goals(
+        {
+            "hot-prefix": [
+                result("prefix", [0.1] * 99 + [5.0], hits=500, workload="hot-prefix", peak=40),
+                result(
+                    "prefix-spill", [0.1] * 99 + [2.0], hits=500, workload="hot-prefix", peak=17
+                ),
+            ]
+        }
+    )
     assert "peak in flight 17 per instance vs ConcurrencyThreshold 16 (**missed**)" in hot[0]
     assert hot[0].endswith("without spill (**met**)")
-    unique = check_goals({"unique": [
-        result("round-robin", [0.20] * 10, hits=0, workload="unique"),
-        result("prefix", [0.22] * 10, hits=0, workload="unique"),
-        result("prefix-fixed", [0.18] * 10, hits=0, workload="unique"),
-    ]})
+    unique = check_goals(
+        {
+            "unique": [
+                result("round-robin", [0.20] * 10, hits=0, workload="unique"),
+                result("prefix", [0.22] * 10, hits=0, workload="unique"),
+                result("prefix-fixed", [0.18] * 10, hits=0, workload="unique"),
+            ]
+        }
+    )
     assert "+10.0% vs round robin (**missed**" in unique[0]
     assert "-10.0% vs round robin (**met**" in unique[1]
 

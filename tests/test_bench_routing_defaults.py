@@ -9,15 +9,32 @@ import pytest
 from bench.scripts.routing_defaults import FIXED_LENGTHS, best_fixed, goals
 
 
-def row(label: str, *, hit: float = 0.9, lru: float = 0.9, p50: float = 0.1, p99: float = 1.0,
-        share: float = 1.1, errors: int = 0) -> dict[str, Any]:
-    return {"label": label, "hit_rate": hit, "fleet_lru": lru, "ttft_p50_s": p50,
-            "ttft_p99_s": p99, "max_share": share, "errors": errors}
+def row(
+    label: str,
+    *,
+    hit: float = 0.9,
+    lru: float = 0.9,
+    p50: float = 0.1,
+    p99: float = 1.0,
+    share: float = 1.1,
+    errors: int = 0,
+) -> dict[str, Any]:
+    return {
+        "label": label,
+        "hit_rate": hit,
+        "fleet_lru": lru,
+        "ttft_p50_s": p50,
+        "ttft_p99_s": p99,
+        "max_share": share,
+        "errors": errors,
+    }
 
 
 def runs(**spill: Any) -> dict[str, dict[str, Any]]:
-    out = {"round-robin": row("round-robin", hit=0.5, p50=1.0, p99=2.0, share=1.0),
-           "prefix-spill": row("prefix-spill", **spill)}
+    out = {
+        "round-robin": row("round-robin", hit=0.5, p50=1.0, p99=2.0, share=1.0),
+        "prefix-spill": row("prefix-spill", **spill),
+    }
     for i, n in enumerate(FIXED_LENGTHS):
         out[f"fixed-{n}"] = row(f"fixed-{n}", p50=0.2 + abs(i - 2) * 0.1)  # 8 KiB best
     return out
@@ -39,14 +56,19 @@ def test_the_hand_tuned_key_is_the_fixed_length_with_the_lowest_p50() -> None:
         ("rag", {"p50": 0.31}, {"P50 <= 0.3 x RR", "P50 <= best fixed key"}, set()),
         ("chat", {"p50": 0.31}, {"P50 <= best fixed key"}, {"P50 <= 0.3 x RR"}),
         ("unique", {"hit": 0.0}, set(), {"hit >= 0.95 x fleet-LRU", "P50 <= 0.3 x RR"}),
-        ("code", {"p99": 2.01, "share": 1.3}, {"P99 <= RR", "max share <= 1.25"},
-         {"P50 <= 0.3 x RR"}),
+        (
+            "code",
+            {"p99": 2.01, "share": 1.3},
+            {"P99 <= RR", "max share <= 1.25"},
+            {"P50 <= 0.3 x RR"},
+        ),
         ("hot-prefix", {"share": 3.0}, set(), {"max share <= 1.25", "P50 <= 0.3 x RR"}),
         ("group-prompts", {"errors": 1}, {"no errors"}, set()),
     ],
 )
-def test_goals(workload: str, spill: dict[str, Any], failed: set[str],
-               not_applicable: set[str]) -> None:
+def test_goals(
+    workload: str, spill: dict[str, Any], failed: set[str], not_applicable: set[str]
+) -> None:
     result = verdicts(workload, **spill)
     assert {g for g, ok in result.items() if ok is False} == failed
     assert {g for g, ok in result.items() if ok is None} == not_applicable

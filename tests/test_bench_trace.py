@@ -29,13 +29,22 @@ def prompts(path: Path, **options: object) -> list[str]:
 def test_milliseconds_and_unix_nanoseconds_give_the_same_arrivals(tmp_path: Path) -> None:
     base_ns = 1_700_000_000_000_000_000
     rows = [(0, 10), (250, 11), (1250, 12)]
-    ms = write(tmp_path / "ms.jsonl", [
-        {"timestamp": t, "input_length": n, "output_length": 3, "hash_ids": [1]} for t, n in rows
-    ])
-    ns = write(tmp_path / "ns.jsonl", [
-        {"timestamp": str(base_ns + t * 1_000_000), "input_length": n, "output_length": 3,
-         "hash_ids": [1]} for t, n in rows
-    ])
+    ms = write(
+        tmp_path / "ms.jsonl",
+        [{"timestamp": t, "input_length": n, "output_length": 3, "hash_ids": [1]} for t, n in rows],
+    )
+    ns = write(
+        tmp_path / "ns.jsonl",
+        [
+            {
+                "timestamp": str(base_ns + t * 1_000_000),
+                "input_length": n,
+                "output_length": 3,
+                "hash_ids": [1],
+            }
+            for t, n in rows
+        ],
+    )
     for path in (ms, ns):
         arrivals = [a.arrival_s for a in load_trace(path)]
         assert arrivals == pytest.approx([0.0, 0.25, 1.25])
@@ -48,12 +57,15 @@ def test_milliseconds_and_unix_nanoseconds_give_the_same_arrivals(tmp_path: Path
 
 
 def test_prompts_agree_exactly_as_far_as_their_hash_ids(tmp_path: Path) -> None:
-    path = write(tmp_path / "t.jsonl", [
-        {"timestamp": 0, "input_length": 48, "output_length": 1, "hash_ids": [7, 8, 9]},
-        {"timestamp": 1, "input_length": 48, "output_length": 1, "hash_ids": [7, 8, 10]},
-        {"timestamp": 2, "input_length": 48, "output_length": 1, "hash_ids": [5, 8, 9]},
-        {"timestamp": 3, "input_length": 48, "output_length": 1, "hash_ids": [7, 8, 9]},
-    ])
+    path = write(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 0, "input_length": 48, "output_length": 1, "hash_ids": [7, 8, 9]},
+            {"timestamp": 1, "input_length": 48, "output_length": 1, "hash_ids": [7, 8, 10]},
+            {"timestamp": 2, "input_length": 48, "output_length": 1, "hash_ids": [5, 8, 9]},
+            {"timestamp": 3, "input_length": 48, "output_length": 1, "hash_ids": [7, 8, 9]},
+        ],
+    )
     a, b, c, d = prompts(path, block_tokens=16)
     block = 16 * 4
     assert a == d
@@ -64,11 +76,14 @@ def test_prompts_agree_exactly_as_far_as_their_hash_ids(tmp_path: Path) -> None:
 
 
 def test_prompts_are_cut_or_padded_to_input_length(tmp_path: Path) -> None:
-    path = write(tmp_path / "t.jsonl", [
-        {"timestamp": 0, "input_length": 20, "output_length": 0, "hash_ids": [1, 2]},
-        {"timestamp": 0, "input_length": 40, "output_length": 5, "hash_ids": [1]},
-        {"timestamp": 0, "input_length": 40, "output_length": 5, "hash_ids": [1]},
-    ])
+    path = write(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": 0, "input_length": 20, "output_length": 0, "hash_ids": [1, 2]},
+            {"timestamp": 0, "input_length": 40, "output_length": 5, "hash_ids": [1]},
+            {"timestamp": 0, "input_length": 40, "output_length": 5, "hash_ids": [1]},
+        ],
+    )
     short, long1, long2 = prompts(path, block_tokens=16)
     assert len(short) == 80 and len(long1) == len(long2) == 160
     assert short[:64] == long1[:64]
@@ -88,10 +103,13 @@ def test_bad_lines_name_their_line(tmp_path: Path) -> None:
 
 
 def test_max_requests_and_block_size(tmp_path: Path) -> None:
-    path = write(tmp_path / "t.jsonl", [
-        {"timestamp": i, "input_length": 1024, "output_length": 2, "hash_ids": [0, 1]}
-        for i in range(10)
-    ])
+    path = write(
+        tmp_path / "t.jsonl",
+        [
+            {"timestamp": i, "input_length": 1024, "output_length": 2, "hash_ids": [0, 1]}
+            for i in range(10)
+        ],
+    )
     workload = load_trace(path, TraceOptions(max_requests=4))
     assert workload.num_requests == 4 == len(list(workload))
     mooncake = prompts(path, block_tokens=512, max_requests=1)[0]

@@ -88,8 +88,17 @@ def test_burstiness_is_the_gaps_variation_and_clumps_the_counts(
     arrivals: str, burstiness: float, cv: float, dispersion_range: tuple[float, float]
 ) -> None:
     rate = 10.0
-    workload = generate("unique", {"requests": 8000, "rate": rate, "arrivals": arrivals,
-                                   "burstiness": burstiness, "prompt_min": 1, "prompt_max": 1})
+    workload = generate(
+        "unique",
+        {
+            "requests": 8000,
+            "rate": rate,
+            "arrivals": arrivals,
+            "burstiness": burstiness,
+            "prompt_min": 1,
+            "prompt_max": 1,
+        },
+    )
     times = [a.arrival_s for a in workload]
     g = gaps(times)
     assert statistics.fmean(g) == pytest.approx(1 / rate, rel=0.1)
@@ -104,12 +113,20 @@ def test_burstiness_is_the_gaps_variation_and_clumps_the_counts(
         ({"outputs": "uniform", "output_min": 64, "output_max": 256}, 160, 64, 256, (1.0, 1.7)),
         ({"outputs": "lognormal"}, 256, 64, 4096, (7.0, 13.0)),  # p99 ~ e^2.33 x median
         ({"outputs": "lognormal", "output_sigma": 0.0}, 256, 256, 256, (1.0, 1.0)),
-        ({"outputs": "lognormal", "output_median": 300, "output_cap": 1000, "output_min": 1},
-         300, 1, 1000, (3.0, 3.4)),  # the tail is capped at 1000
+        (
+            {"outputs": "lognormal", "output_median": 300, "output_cap": 1000, "output_min": 1},
+            300,
+            1,
+            1000,
+            (3.0, 3.4),
+        ),  # the tail is capped at 1000
     ],
 )
 def test_output_lengths(
-    overrides: dict[str, object], median: int, low: int, high: int,
+    overrides: dict[str, object],
+    median: int,
+    low: int,
+    high: int,
     tail_over_median: tuple[float, float],
 ) -> None:
     workload = generate("system-prompt", {"requests": 4000, **overrides})  # type: ignore[dict-item]
@@ -140,7 +157,7 @@ def test_trace_like_one_block_then_diverging_heavy_tailed_conversations() -> Non
     heads = [request_body(c.turns[0], model=MODEL) for c in conversations]
     shared = heads[0].index(block.encode()) + len(block)
     assert all(h[:shared] == heads[0][:shared] for h in heads)
-    assert len({h[shared:shared + 64] for h in heads}) == len(heads)
+    assert len({h[shared : shared + 64] for h in heads}) == len(heads)
     turns = Counter(len(c.turns) for c in conversations)
     assert turns[1] > 0.3 * len(conversations) and max(turns) >= 8  # most short, a few long
     users = sorted(len(t.messages[-1][1]) // 4 for c in conversations for t in c.turns)
@@ -202,8 +219,12 @@ def test_code_requests_share_the_file_and_differ_at_the_end() -> None:
     assert all(p.startswith(header) for p in versions)
     common = min(len(p) for p in versions)
     for p in versions:
-        common = min(common, next((i for i, (a, b) in enumerate(zip(p, versions[0], strict=False))
-                                   if a != b), len(p)))
+        common = min(
+            common,
+            next(
+                (i for i, (a, b) in enumerate(zip(p, versions[0], strict=False)) if a != b), len(p)
+            ),
+        )
     assert common > 4 * 2000 * 0.9  # at least the file body is shared
     assert len(set(versions)) == len(versions)  # each request has its own edit at the end
 
@@ -226,8 +247,10 @@ def test_chat_turns_resend_the_conversation() -> None:
     second = orjson.loads(request_body(c.turns[1], model=MODEL, history=history))
     first = orjson.loads(request_body(c.turns[0], model=MODEL))
     assert second["messages"][: len(first["messages"])] == first["messages"]
-    assert second["messages"][len(first["messages"])] == {"role": "assistant",
-                                                           "content": " ban kos"}
+    assert second["messages"][len(first["messages"])] == {
+        "role": "assistant",
+        "content": " ban kos",
+    }
 
 
 def test_parameters_are_checked_and_converted() -> None:

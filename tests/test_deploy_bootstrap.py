@@ -26,12 +26,18 @@ from tests.support.wait import wait_until
 from tests.support.xds_stack import start_backends
 
 CONTAINER_ARGS = [
-    "--listen-address", "0.0.0.0",
-    "--probe-address", "0.0.0.0",
-    "--probe-port", "9902",
-    "--ext-proc", "ext-proc:50051",
-    "--xds", "control-plane:18000",
-    "--node-id", "envoy-a",
+    "--listen-address",
+    "0.0.0.0",
+    "--probe-address",
+    "0.0.0.0",
+    "--probe-port",
+    "9902",
+    "--ext-proc",
+    "ext-proc:50051",
+    "--xds",
+    "control-plane:18000",
+    "--node-id",
+    "envoy-a",
 ]
 
 
@@ -49,8 +55,10 @@ def _clusters(doc: dict[str, Any]) -> dict[str, dict[str, Any]]:
 
 def _hosts(cluster: dict[str, Any]) -> list[tuple[str, int]]:
     return [
-        (e["endpoint"]["address"]["socket_address"]["address"],
-         e["endpoint"]["address"]["socket_address"]["port_value"])
+        (
+            e["endpoint"]["address"]["socket_address"]["address"],
+            e["endpoint"]["address"]["socket_address"]["port_value"],
+        )
         for group in cluster["load_assignment"]["endpoints"]
         for e in group["lb_endpoints"]
     ]
@@ -68,9 +76,7 @@ def test_hostnames_make_strict_dns_clusters(tmp_path: Path) -> None:
     assert doc["dynamic_resources"]["cds_config"] == {"ads": {}, "resource_api_version": "V3"}
     listener = doc["static_resources"]["listeners"][0]["address"]["socket_address"]
     assert listener == {"address": "0.0.0.0", "port_value": 8080}
-    assert doc["admin"]["address"]["socket_address"] == {
-        "address": "127.0.0.1", "port_value": 9901
-    }
+    assert doc["admin"]["address"]["socket_address"] == {"address": "127.0.0.1", "port_value": 9901}
 
 
 def test_ip_literals_keep_static_clusters(tmp_path: Path) -> None:
@@ -86,8 +92,9 @@ def test_ip_literals_keep_static_clusters(tmp_path: Path) -> None:
 
 
 def test_one_name_among_ips_makes_the_cluster_strict_dns(tmp_path: Path) -> None:
-    doc = _render(tmp_path, ["--ext-proc", "127.0.0.1:1", "--ext-proc", "ext-proc:2", "--xds",
-                             "127.0.0.1:3"])
+    doc = _render(
+        tmp_path, ["--ext-proc", "127.0.0.1:1", "--ext-proc", "ext-proc:2", "--xds", "127.0.0.1:3"]
+    )
     assert _clusters(doc)["ext_proc"]["type"] == "STRICT_DNS"
 
 
@@ -96,8 +103,9 @@ def test_static_fleet_from_a_fleet_file(tmp_path: Path) -> None:
     fleet.write_text(yaml.safe_dump({"instances": [{"address": "10.0.0.7", "port": 8000}]}))
     config = tmp_path / "routing.yaml"
     config.write_text(yaml.safe_dump({"routing": {"retry": {"enabled": False}}}))
-    doc = _render(tmp_path, ["--ext-proc", "127.0.0.1:1", "--fleet", str(fleet),
-                             "--config", str(config)])
+    doc = _render(
+        tmp_path, ["--ext-proc", "127.0.0.1:1", "--fleet", str(fleet), "--config", str(config)]
+    )
     clusters = _clusters(doc)
     assert "dynamic_resources" not in doc
     assert clusters["models"]["lb_policy"] == "RING_HASH"
@@ -181,7 +189,9 @@ def test_envoy_accepts_the_container_bootstrap(tmp_path: Path) -> None:
     assert main([*CONTAINER_ARGS, "--out", str(out)]) == 0
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(out)],
-        capture_output=True, text=True, timeout=60,
+        capture_output=True,
+        text=True,
+        timeout=60,
     )
     assert result.returncode == 0, result.stdout + result.stderr
 
@@ -196,20 +206,46 @@ def test_names_resolve_through_real_envoy(procs: ProcessReaper, log_dir: Path) -
     fleet.write_text(yaml.safe_dump({"instances": [{"address": "127.0.0.1", "port": backend}]}))
     xds, admin = free_port(), free_port()
     try:
-        procs.add(start_module(
-            "control-plane", "prefix_router",
-            ["control-plane", "--xds-port", str(xds), "--admin-port", str(admin),
-             "--redis-url", REDIS_URL, "--namespace", namespace, "--fleet", str(fleet)],
-            log_dir, ready_ports=[xds, admin], env={"PREFIX_ROUTER_ADMIN_TOKEN": "t"},
-        ))
+        procs.add(
+            start_module(
+                "control-plane",
+                "prefix_router",
+                [
+                    "control-plane",
+                    "--xds-port",
+                    str(xds),
+                    "--admin-port",
+                    str(admin),
+                    "--redis-url",
+                    REDIS_URL,
+                    "--namespace",
+                    namespace,
+                    "--fleet",
+                    str(fleet),
+                ],
+                log_dir,
+                ready_ports=[xds, admin],
+                env={"PREFIX_ROUTER_ADMIN_TOKEN": "t"},
+            )
+        )
         ext_procs = [free_port(), free_port()]
         for port in ext_procs:
-            procs.add(start_ext_proc(port, log_dir, args=["--redis-url", REDIS_URL,
-                                                          "--namespace", namespace]))
+            procs.add(
+                start_ext_proc(
+                    port, log_dir, args=["--redis-url", REDIS_URL, "--namespace", namespace]
+                )
+            )
         listen, envoy_admin = free_port(), free_port()
         params, config, _, _ = build(
-            ["--listen-port", str(listen), "--admin-port", str(envoy_admin),
-             "--xds", f"localhost:{xds}", *(f"--ext-proc=localhost:{p}" for p in ext_procs)],
+            [
+                "--listen-port",
+                str(listen),
+                "--admin-port",
+                str(envoy_admin),
+                "--xds",
+                f"localhost:{xds}",
+                *(f"--ext-proc=localhost:{p}" for p in ext_procs),
+            ],
             {},
         )
         procs.add(start_envoy(params, config, log_dir))
@@ -229,8 +265,9 @@ def test_names_resolve_through_real_envoy(procs: ProcessReaper, log_dir: Path) -
         assert len(keys) == 1 and keys != {None}
         clusters = httpx.get(f"http://127.0.0.1:{envoy_admin}/clusters?format=json").json()
         resolved = {
-            c["name"]: sorted(h["address"]["socket_address"]["port_value"]
-                              for h in c.get("host_statuses", []))
+            c["name"]: sorted(
+                h["address"]["socket_address"]["port_value"] for h in c.get("host_statuses", [])
+            )
             for c in clusters["cluster_statuses"]
         }
         assert resolved["ext_proc"] == sorted(ext_procs)
@@ -263,10 +300,9 @@ def test_probe_listener_routes_only_ready_and_stats_to_the_admin(tmp_path: Path)
     (vhost,) = hcm["typed_config"]["route_config"]["virtual_hosts"]
     *proxied, rest = vhost["routes"]
     get_only = [{"name": ":method", "string_match": {"exact": "GET"}}]
-    assert [(r["match"]["path"], r["match"]["headers"], r["route"]["cluster"])
-            for r in proxied] == [
-        (path, get_only, "envoy_admin") for path in ("/ready", "/stats/prometheus")
-    ]
+    assert [
+        (r["match"]["path"], r["match"]["headers"], r["route"]["cluster"]) for r in proxied
+    ] == [(path, get_only, "envoy_admin") for path in ("/ready", "/stats/prometheus")]
     assert rest["match"] == {"prefix": "/"} and rest["direct_response"]["status"] == 404
     assert _hosts(_clusters(doc)["envoy_admin"]) == [("127.0.0.1", 9911)]
     assert doc["admin"]["address"]["socket_address"]["address"] == "127.0.0.1"
@@ -291,8 +327,18 @@ def test_real_envoy_probe_listener_serves_probes_and_nothing_that_changes_envoy(
     fleet.write_text(yaml.safe_dump({"instances": [{"address": "127.0.0.1", "port": 1}]}))
     listen, admin, probe = free_port(), free_port(), free_port()
     params, config, fleet_obj, _ = build(
-        ["--listen-port", str(listen), "--admin-port", str(admin), "--probe-port", str(probe),
-         "--ext-proc", "127.0.0.1:1", "--fleet", str(fleet)],
+        [
+            "--listen-port",
+            str(listen),
+            "--admin-port",
+            str(admin),
+            "--probe-port",
+            str(probe),
+            "--ext-proc",
+            "127.0.0.1:1",
+            "--fleet",
+            str(fleet),
+        ],
         {},
     )
     envoy = procs.add(start_envoy(params, config, log_dir, fleet=fleet_obj))
@@ -320,14 +366,20 @@ def test_real_envoy_probe_listener_serves_probes_and_nothing_that_changes_envoy(
     assert "envoy.reloadable_features.x" not in runtime["entries"]
 
     # The admin interface listens on loopback only.
-    listening = [c.laddr for c in psutil.Process(envoy.pid).net_connections(kind="inet")
-                 if c.status == psutil.CONN_LISTEN]
+    listening = [
+        c.laddr
+        for c in psutil.Process(envoy.pid).net_connections(kind="inet")
+        if c.status == psutil.CONN_LISTEN
+    ]
     assert {a.ip for a in listening if a.port == admin} == {"127.0.0.1"}
 
     # The preStop hook's drain stops the data plane and leaves the probe listener.
-    assert httpx.post(
-        f"http://127.0.0.1:{admin}/drain_listeners?graceful&inboundonly", timeout=5
-    ).status_code == 200
+    assert (
+        httpx.post(
+            f"http://127.0.0.1:{admin}/drain_listeners?graceful&inboundonly", timeout=5
+        ).status_code
+        == 200
+    )
 
     def data_plane_closed() -> bool:
         try:

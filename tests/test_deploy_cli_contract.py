@@ -31,7 +31,10 @@ def cli_help(command: str) -> str:
     """``prefix-router COMMAND --help``, run as a user would (a fresh interpreter)."""
     result = subprocess.run(
         [sys.executable, "-m", "prefix_router", command, "--help"],
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
     )
     assert result.returncode == 0, f"prefix-router {command} --help: {result.stderr}"
     return result.stdout

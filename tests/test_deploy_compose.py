@@ -127,13 +127,14 @@ def test_docker_compose_config_accepts_the_file(profiles: tuple[str, ...], env_n
     for profile in profiles:
         args += ["--profile", profile]
     env = {"PATH": "/usr/bin:/bin:/usr/local/bin", "HOME": str(Path.home()), **ENVS[env_name]}
-    result = subprocess.run([*args, "config"], capture_output=True, text=True, env=env,
-                            timeout=120)
+    result = subprocess.run([*args, "config"], capture_output=True, text=True, env=env, timeout=120)
     assert result.returncode == 0, result.stderr
     resolved = yaml.safe_load(result.stdout)["services"]
     assert set(resolved) == {"redis", *OUR_IMAGE_SERVICES, *VLLMS, "prometheus", "grafana"}
     assert {n for n, s in resolved.items() if s.get("profiles")} == {
-        *VLLMS, "prometheus", "grafana"
+        *VLLMS,
+        "prometheus",
+        "grafana",
     }
     expected_fleet = ENVS[env_name].get("FLEET_FILE", "fleet.yaml")
     assert f"--fleet=/etc/prefix-router/{expected_fleet}" in resolved["control-plane"]["command"]
@@ -148,8 +149,13 @@ def test_docker_compose_config_rejects_a_broken_file(tmp_path: Path) -> None:
     assert binary, "docker-compose is missing: scripts/ensure-test-services installs it"
     broken = tmp_path / "docker-compose.yml"
     broken.write_text(COMPOSE_FILE.read_text().replace("start_period: 10s", "start_perod: 10s"))
-    result = subprocess.run([binary, "-f", str(broken), "config", "-q"], capture_output=True,
-                            text=True, timeout=120, cwd=tmp_path)
+    result = subprocess.run(
+        [binary, "-f", str(broken), "config", "-q"],
+        capture_output=True,
+        text=True,
+        timeout=120,
+        cwd=tmp_path,
+    )
     assert result.returncode != 0 and "start_perod" in result.stderr
 
 
@@ -158,9 +164,7 @@ def test_docker_compose_config_rejects_a_broken_file(tmp_path: Path) -> None:
 
 def test_services_and_profiles(compose: dict[str, Any]) -> None:
     services = compose["services"]
-    assert set(services) == {
-        "redis", *OUR_IMAGE_SERVICES, *VLLMS, "prometheus", "grafana"
-    }
+    assert set(services) == {"redis", *OUR_IMAGE_SERVICES, *VLLMS, "prometheus", "grafana"}
     profiles = {name: tuple(s.get("profiles", ())) for name, s in services.items()}
     assert {n for n, p in profiles.items() if p == ("gpu",)} == set(VLLMS)
     assert {n for n, p in profiles.items() if p == ("observability",)} == {"prometheus", "grafana"}
@@ -271,7 +275,7 @@ def test_rendered_bootstrap_uses_dns_clusters(compose: dict[str, Any]) -> None:
     config_at = argv.index("--config") + 1
     argv[config_at] = str(_container_path(services["envoy"], argv[config_at]))
     out_at = argv.index("--out")
-    del argv[out_at:out_at + 2]
+    del argv[out_at : out_at + 2]
     params, _, fleet, out = build_bootstrap(argv, {})
     assert fleet is None and out is None and params.xds == ("control-plane", 18000)
     assert params.ext_proc == (("ext-proc", 50051),)
@@ -298,8 +302,11 @@ def _container_addresses(compose: dict[str, Any], names: tuple[str, ...]) -> lis
     for name in names:
         service = compose["services"][name]
         address = service["networks"]["router"]["ipv4_address"]
-        ports = [a.removeprefix("--ports=").removeprefix("--port=") for a in service["command"]
-                 if a.startswith(("--ports=", "--port="))]
+        ports = [
+            a.removeprefix("--ports=").removeprefix("--port=")
+            for a in service["command"]
+            if a.startswith(("--ports=", "--port="))
+        ]
         assert len(ports) == 1, f"{name}: one --port/--ports=PORT"
         out.append((address, int(ports[0])))
         assert _healthcheck_port(service) == int(ports[0])
@@ -339,8 +346,10 @@ def test_gpu_services_reserve_a_gpu_and_cache_prefixes(compose: dict[str, Any]) 
         assert "--enable-prefix-caching" in service["command"]
         (device,) = service["deploy"]["resources"]["reservations"]["devices"]
         assert device["capabilities"] == ["gpu"] and device["driver"] == "nvidia"
-    gpus = [compose["services"][n]["deploy"]["resources"]["reservations"]["devices"][0]
-            ["device_ids"] for n in VLLMS]
+    gpus = [
+        compose["services"][n]["deploy"]["resources"]["reservations"]["devices"][0]["device_ids"]
+        for n in VLLMS
+    ]
     assert len({tuple(g) for g in gpus}) == len(VLLMS), "each vLLM gets its own GPU"
     assert load_compose({"MODEL": "m/x"})["services"]["vllm-1"]["command"][0] == "--model=m/x"
 
@@ -374,11 +383,13 @@ def test_prometheus_scrapes_every_component(compose: dict[str, Any]) -> None:
         f"control-plane:{cp.one('--metrics-port')}"
     ]
     sims = jobs["vllm-sim"]["static_configs"][0]["targets"]
-    assert sorted(sims) == sorted(f"{n}:{p}" for n, (_, p) in
-                                  zip(SIMS, _container_addresses(compose, SIMS), strict=True))
+    assert sorted(sims) == sorted(
+        f"{n}:{p}" for n, (_, p) in zip(SIMS, _container_addresses(compose, SIMS), strict=True)
+    )
     vllms = jobs["vllm"]["static_configs"][0]["targets"]
-    assert sorted(vllms) == sorted(f"{n}:{p}" for n, (_, p) in
-                                   zip(VLLMS, _container_addresses(compose, VLLMS), strict=True))
+    assert sorted(vllms) == sorted(
+        f"{n}:{p}" for n, (_, p) in zip(VLLMS, _container_addresses(compose, VLLMS), strict=True)
+    )
     assert jobs["envoy"]["static_configs"][0]["targets"] == [
         f"envoy:{_healthcheck_port(services['envoy'])}"
     ]
@@ -391,14 +402,14 @@ def test_prometheus_scrapes_every_component(compose: dict[str, Any]) -> None:
 def test_grafana_provisions_the_datasource_and_dashboards_folder(compose: dict[str, Any]) -> None:
     grafana = compose["services"]["grafana"]
     provisioning = _container_path(grafana, "/etc/grafana/provisioning")
-    (datasource,) = yaml.safe_load(
-        (provisioning / "datasources" / "prometheus.yml").read_text()
-    )["datasources"]
+    (datasource,) = yaml.safe_load((provisioning / "datasources" / "prometheus.yml").read_text())[
+        "datasources"
+    ]
     prom_port = next(iter(_published(compose["services"]["prometheus"])))
     assert datasource["url"] == f"http://prometheus:{prom_port}"
-    (provider,) = yaml.safe_load(
-        (provisioning / "dashboards" / "prefix-router.yml").read_text()
-    )["providers"]
+    (provider,) = yaml.safe_load((provisioning / "dashboards" / "prefix-router.yml").read_text())[
+        "providers"
+    ]
     dashboards = _container_path(grafana, provider["options"]["path"])
     assert dashboards == COMPOSE_DIR / "grafana" / "dashboards" and dashboards.is_dir()
     for path in dashboards.glob("*.json"):  # whatever is there loads with this datasource
@@ -429,22 +440,23 @@ def test_our_healthchecks_need_an_answer_and_end_before_docker_kills_them(
 def _run_healthcheck(service: dict[str, Any], port: int, real_port: int) -> int:
     test = service["healthcheck"]["test"]
     assert test[0] == "CMD" and test[1] in ("python", "python3")
-    argv = [sys.executable, *(a.replace(f"127.0.0.1:{port}", f"127.0.0.1:{real_port}")
-                              for a in test[2:])]
+    argv = [
+        sys.executable,
+        *(a.replace(f"127.0.0.1:{port}", f"127.0.0.1:{real_port}") for a in test[2:]),
+    ]
     return subprocess.run(argv, capture_output=True, timeout=30).returncode
 
 
 @pytest.mark.e2e
-def test_grpc_and_http_healthchecks_work(
-    procs: ProcessReaper, log_dir: Path
-) -> None:
+def test_grpc_and_http_healthchecks_work(procs: ProcessReaper, log_dir: Path) -> None:
     services = load_compose({})["services"]
     ext_proc_port, sim_port = free_port(), free_port()
     # Nothing listens yet: the checks fail.
     assert _run_healthcheck(services["ext-proc"], 50051, ext_proc_port) != 0
     procs.add(start_ext_proc(ext_proc_port, log_dir, args=["--backend", "127.0.0.1:1"]))
-    procs.add(start_module("sim", "vllm_sim", ["--ports", str(sim_port)], log_dir,
-                           ready_ports=[sim_port]))
+    procs.add(
+        start_module("sim", "vllm_sim", ["--ports", str(sim_port)], log_dir, ready_ports=[sim_port])
+    )
     assert _run_healthcheck(services["ext-proc"], 50051, ext_proc_port) == 0
     assert _run_healthcheck(services["sim-1"], 8000, sim_port) == 0
 
@@ -490,11 +502,15 @@ def test_dockerfile_builds_one_image_for_every_command() -> None:
 
 
 def test_dockerignore_keeps_what_the_dockerfile_copies() -> None:
-    rules = [r.strip() for r in (ROOT / ".dockerignore").read_text().splitlines()
-             if r.strip() and not r.startswith("#")]
+    rules = [
+        r.strip()
+        for r in (ROOT / ".dockerignore").read_text().splitlines()
+        if r.strip() and not r.startswith("#")
+    ]
     assert rules[0] == "*"
     allowed = {r.removeprefix("!").rstrip("/") for r in rules if r.startswith("!")}
-    copies = [rest.split()[:-1] for op, rest in _dockerfile() if op == "COPY" and "--from" not in
-              rest]
+    copies = [
+        rest.split()[:-1] for op, rest in _dockerfile() if op == "COPY" and "--from" not in rest
+    ]
     for src in (s for srcs in copies for s in srcs):
         assert src in allowed, f"COPY {src} is excluded by .dockerignore"

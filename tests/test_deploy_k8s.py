@@ -163,8 +163,9 @@ def test_every_manifest_validates_against_the_kubernetes_schemas(version: str) -
 
 def test_the_schema_check_rejects_what_kubernetes_would() -> None:
     """The check above can fail: an unknown field and a sidecar before 1.28 are refused."""
-    envoy = next(d for d in manifests() if d["metadata"]["name"] == "envoy"
-                 and d["kind"] == "Deployment")
+    envoy = next(
+        d for d in manifests() if d["metadata"]["name"] == "envoy" and d["kind"] == "Deployment"
+    )
     resource = {k: v for k, v in envoy.items() if k != "__file__"}
     with pytest.raises(kubernetes_validate.ValidationError):
         kubernetes_validate.validate(resource, "1.27.0", strict=True)  # restartPolicy: Always
@@ -193,11 +194,17 @@ def test_deployments_select_their_pods_and_services_select_deployments() -> None
         assert selector.items() <= labels.items(), f"{name}: selector does not match its pods"
     for name, service in by_kind("Service").items():
         selector = service["spec"]["selector"]
-        matched = [d for d in deployments.values()
-                   if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()]
+        matched = [
+            d
+            for d in deployments.values()
+            if selector.items() <= d["spec"]["template"]["metadata"]["labels"].items()
+        ]
         assert len(matched) == 1, f"Service {name} selects {len(matched)} Deployments"
-        ports = {p["name"]: p["containerPort"] for c in pod_containers(matched[0])
-                 for p in c.get("ports", [])}
+        ports = {
+            p["name"]: p["containerPort"]
+            for c in pod_containers(matched[0])
+            for p in c.get("ports", [])
+        }
         for port in service["spec"]["ports"]:
             target = port.get("targetPort", port["port"])
             assert target in ports or target in ports.values(), f"{name}: targetPort {target}"
@@ -296,8 +303,10 @@ def test_components_agree_on_names_and_ports() -> None:
     command, boot = cli(container("envoy", "bootstrap"))
     assert command == "envoy-bootstrap"
     envoy = parse_envoy([str(a) for a in container("envoy", "envoy")["args"]])
-    cp_c, xp_c, envoy_c = container("control-plane"), container("envoy", "ext-proc"), container(
-        "envoy", "envoy"
+    cp_c, xp_c, envoy_c = (
+        container("control-plane"),
+        container("envoy", "ext-proc"),
+        container("envoy", "envoy"),
     )
 
     # Envoy -> control plane (xDS) by Service name and port.
@@ -330,11 +339,13 @@ def test_components_agree_on_names_and_ports() -> None:
 
 
 def _mounted_from(deployment: str, c: dict[str, Any], path: str) -> dict[str, Any]:
-    volumes = {v["name"]: v for v in by_kind("Deployment")[deployment]["spec"]["template"]
-               ["spec"]["volumes"]}
+    volumes = {
+        v["name"]: v
+        for v in by_kind("Deployment")[deployment]["spec"]["template"]["spec"]["volumes"]
+    }
     for mount in c.get("volumeMounts", []):
         if path.startswith(mount["mountPath"].rstrip("/") + "/"):
-            return dict(volumes[mount["name"]], subpath=path[len(mount["mountPath"]) + 1:])
+            return dict(volumes[mount["name"]], subpath=path[len(mount["mountPath"]) + 1 :])
     raise AssertionError(f"{path} is not under a volume mount of {c['name']}")
 
 
@@ -344,8 +355,10 @@ def test_files_the_commands_read_are_mounted() -> None:
     token = _mounted_from("control-plane", cp_c, cp.one("--token-file"))
     assert token["secret"]["secretName"] == "prefix-router-admin"
     assert {"key": "token", "path": token["subpath"]} in token["secret"]["items"]
-    config_files = {e.split("=")[-1].split("/")[-1]
-                    for e in generated("ConfigMap")["prefix-router-config"]["files"]}
+    config_files = {
+        e.split("=")[-1].split("/")[-1]
+        for e in generated("ConfigMap")["prefix-router-config"]["files"]
+    }
     for flag in ("--fleet", "--config"):
         volume = _mounted_from("control-plane", cp_c, cp.one(flag))
         assert volume["configMap"]["name"] == "prefix-router-config"
@@ -355,8 +368,9 @@ def test_files_the_commands_read_are_mounted() -> None:
     assert _mounted_from("envoy", boot_c, boot.one("--config"))["subpath"] in config_files
     out = _mounted_from("envoy", boot_c, boot.one("--out"))
     assert "emptyDir" in out
-    assert _mounted_from("envoy", container("envoy", "envoy"), boot.one("--out"))["name"] == (
-        out["name"]
+    assert (
+        _mounted_from("envoy", container("envoy", "envoy"), boot.one("--out"))["name"]
+        == (out["name"])
     )
 
 
@@ -378,14 +392,20 @@ def test_ext_proc_is_a_sidecar_on_loopback() -> None:
     """ext_proc's gRPC port exists only inside Envoy's pod: no Service, no container port."""
     sidecar = container("envoy", "ext-proc")
     assert sidecar["restartPolicy"] == "Always"  # a native sidecar: up before Envoy, down after
-    init = [c["name"] for c in by_kind("Deployment")["envoy"]["spec"]["template"]["spec"]
-            ["initContainers"]]
+    init = [
+        c["name"]
+        for c in by_kind("Deployment")["envoy"]["spec"]["template"]["spec"]["initContainers"]
+    ]
     assert init == ["bootstrap", "ext-proc"]
     _, xp = cli(sidecar)
     assert _is_loopback(xp.one("--host"))
     assert int(xp.one("--port")) not in {p["containerPort"] for p in sidecar["ports"]}
-    assert not any(c.get("args", [""])[0] == "ext-proc" for name, d in by_kind("Deployment").items()
-                   if name != "envoy" for c in pod_containers(d))
+    assert not any(
+        c.get("args", [""])[0] == "ext-proc"
+        for name, d in by_kind("Deployment").items()
+        if name != "envoy"
+        for c in pod_containers(d)
+    )
     assert "ext-proc" not in by_kind("Service")
     clusters = {c["name"]: c for c in _rendered_bootstrap()["static_resources"]["clusters"]}
     assert clusters["ext_proc"]["type"] == "STATIC"
@@ -401,9 +421,11 @@ def test_envoy_admin_is_on_loopback_and_probes_and_stats_use_the_probe_listener(
     assert _is_loopback(boot.one("--admin-address"))
     doc = _rendered_bootstrap()
     assert _is_loopback(doc["admin"]["address"]["socket_address"]["address"])
-    assert admin_port not in {p["containerPort"] for c in pod_containers(by_kind("Deployment")
-                                                                         ["envoy"])
-                              for p in c.get("ports", [])}
+    assert admin_port not in {
+        p["containerPort"]
+        for c in pod_containers(by_kind("Deployment")["envoy"])
+        for p in c.get("ports", [])
+    }
     probe_port = int(boot.one("--probe-port"))
     listeners = {entry["name"]: entry for entry in doc["static_resources"]["listeners"]}
     assert listeners["probes"]["address"]["socket_address"]["port_value"] == probe_port
@@ -425,12 +447,15 @@ def _selects(selector: dict[str, Any], labels: dict[str, str]) -> bool:
     return bool(selector.get("matchLabels", {}).items() <= labels.items())
 
 
-def _port_matches(rule_ports: list[dict[str, Any]] | None, c: dict[str, Any], port: dict[str, Any]
-                  ) -> bool:
+def _port_matches(
+    rule_ports: list[dict[str, Any]] | None, c: dict[str, Any], port: dict[str, Any]
+) -> bool:
     if not rule_ports:
         return True
-    return any(p.get("protocol", "TCP") == "TCP" and p["port"] in (port["name"],
-               port["containerPort"]) for p in rule_ports)
+    return any(
+        p.get("protocol", "TCP") == "TCP" and p["port"] in (port["name"], port["containerPort"])
+        for p in rule_ports
+    )
 
 
 def admitted(deployment: str, port_name: str) -> list[dict[str, Any]]:
@@ -439,8 +464,12 @@ def admitted(deployment: str, port_name: str) -> list[dict[str, Any]]:
     ``[{}]`` means anyone (a rule without ``from``); ``[]`` means nobody.
     """
     labels = pod_labels(deployment)
-    (c, port) = next((c, p) for c in pod_containers(by_kind("Deployment")[deployment])
-                     for p in c.get("ports", []) if p["name"] == port_name)
+    (c, port) = next(
+        (c, p)
+        for c in pod_containers(by_kind("Deployment")[deployment])
+        for p in c.get("ports", [])
+        if p["name"] == port_name
+    )
     peers: list[dict[str, Any]] = []
     for policy in by_kind("NetworkPolicy").values():
         spec = policy["spec"]
@@ -469,8 +498,12 @@ def test_network_policies_admit_each_port_to_exactly_its_peers() -> None:
         ("control-plane", "metrics"): [MONITORING],
         ("redis", "redis"): _pods_of("control-plane", "envoy"),
     }
-    every_port = {(name, p["name"]) for name, d in by_kind("Deployment").items()
-                  for c in pod_containers(d) for p in c.get("ports", [])}
+    every_port = {
+        (name, p["name"])
+        for name, d in by_kind("Deployment").items()
+        for c in pod_containers(d)
+        for p in c.get("ports", [])
+    }
     assert every_port == set(expected), "a port without an expectation (or one gone)"
     for (deployment, port), peers in expected.items():
         got = admitted(deployment, port)
@@ -483,7 +516,9 @@ def test_only_pods_that_read_the_redis_url_reach_redis() -> None:
         for volume in d["spec"]["template"]["spec"].get("volumes", []):
             secret = volume.get("secret", {})
             if secret.get("secretName") == "prefix-router-redis" and {
-                "key": "url", "path": "url"} in secret.get("items", []):
+                "key": "url",
+                "path": "url",
+            } in secret.get("items", []):
                 readers.add(name)
     assert readers == {"control-plane", "envoy"}
     assert sorted(map(repr, admitted("redis", "redis"))) == sorted(
@@ -587,8 +622,11 @@ def test_every_container_has_requests_a_memory_limit_and_no_root() -> None:
 
 def test_prometheus_annotations_point_at_metrics_ports() -> None:
     expected = {"control-plane": "metrics", "envoy": "probes"}
-    assert set(expected) == {n for n, d in by_kind("Deployment").items()
-                             if "annotations" in d["spec"]["template"]["metadata"]}
+    assert set(expected) == {
+        n
+        for n, d in by_kind("Deployment").items()
+        if "annotations" in d["spec"]["template"]["metadata"]
+    }
     for name, port_name in expected.items():
         d = by_kind("Deployment")[name]
         annotations = d["spec"]["template"]["metadata"]["annotations"]
@@ -606,8 +644,9 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
         # kubectl comes with this machine's image (CI runs there); Debian's own
         # kubernetes-client (1.20) is too old for this kustomization's `labels:`.
         pytest.skip("kubectl not installed: kustomize build not checked")
-    result = subprocess.run(["kubectl", "kustomize", str(K8S)], capture_output=True, text=True,
-                            timeout=120)
+    result = subprocess.run(
+        ["kubectl", "kustomize", str(K8S)], capture_output=True, text=True, timeout=120
+    )
     assert result.returncode == 0, result.stderr
     out = tmp_path_factory.mktemp("k8s") / "rendered.yaml"
     out.write_text(result.stdout)
@@ -617,15 +656,15 @@ def rendered(tmp_path_factory: pytest.TempPathFactory) -> Path:
 def test_kustomize_builds_and_rewrites_generated_names(rendered: Path) -> None:
     docs = [d for d in yaml.safe_load_all(rendered.read_text()) if d]
     names = {(d["kind"], d["metadata"]["name"]) for d in docs}
-    assert all(d["metadata"].get("namespace") == "prefix-router" for d in docs
-               if d["kind"] != "Namespace")
+    assert all(
+        d["metadata"].get("namespace") == "prefix-router" for d in docs if d["kind"] != "Namespace"
+    )
     config_maps = {n for k, n in names if k == "ConfigMap"}
     text = rendered.read_text()
     for generated_name in generated("ConfigMap"):
         (hashed,) = [n for n in config_maps if n.startswith(generated_name + "-")]
         assert f"name: {generated_name}\n" not in text  # every reference was rewritten
         assert f"name: {hashed}" in text
-    assert {"Deployment"} == {k for k, n in names if n in COMPONENTS} - {"Service",
-                                                                         "NetworkPolicy"}
+    assert {"Deployment"} == {k for k, n in names if n in COMPONENTS} - {"Service", "NetworkPolicy"}
     for doc in docs:
         kubernetes_validate.validate(doc, SCHEMA_VERSIONS[-1], strict=True)

@@ -133,15 +133,17 @@ def _all_pass(probes: dict[str, Probe]) -> dict[str, bool]:
         return {name: future.result() for name, future in futures.items()}
 
 
-
 def check_catches_a_hang(cases: dict[str, Case]) -> None:
     """Every probe passes, fails while its process is stopped, and passes again.
 
     All processes are frozen at once and their probes run side by side, so the suite waits
     for the longest probe timeout once, not for each.
     """
-    probes = {f"{name} {label}": probe for name, case in cases.items()
-              for label, probe in case.probes.items()}
+    probes = {
+        f"{name} {label}": probe
+        for name, case in cases.items()
+        for label, probe in case.probes.items()
+    }
     wait_until(lambda: all(_all_pass(probes).values()), 60, "every probe passes")
     for case in cases.values():
         os.killpg(case.proc.pid, signal.SIGSTOP)
@@ -160,11 +162,14 @@ def ext_proc_case(procs: ProcessReaper, log_dir: Path) -> Case:
     proc = procs.add(start_ext_proc(port, log_dir, args=["--backend", "127.0.0.1:1"]))
     sidecar = container("envoy", "ext-proc")
     ports = {50051: port}
-    return Case(proc, {
-        "k8s liveness": k8s_probe(sidecar, "livenessProbe", ports),
-        "k8s startup": k8s_probe(sidecar, "startupProbe", ports),
-        "compose": compose_check("ext-proc", ports),
-    })
+    return Case(
+        proc,
+        {
+            "k8s liveness": k8s_probe(sidecar, "livenessProbe", ports),
+            "k8s startup": k8s_probe(sidecar, "startupProbe", ports),
+            "compose": compose_check("ext-proc", ports),
+        },
+    )
 
 
 def envoy_case(procs: ProcessReaper, log_dir: Path) -> Case:
@@ -172,36 +177,70 @@ def envoy_case(procs: ProcessReaper, log_dir: Path) -> Case:
     fleet.write_text(yaml.safe_dump({"instances": [{"address": "127.0.0.1", "port": 1}]}))
     listen, admin, probe = free_port(), free_port(), free_port()
     params, config, fleet_obj, _ = build(
-        ["--listen-port", str(listen), "--admin-port", str(admin), "--probe-port", str(probe),
-         "--ext-proc", "127.0.0.1:1", "--fleet", str(fleet)],
+        [
+            "--listen-port",
+            str(listen),
+            "--admin-port",
+            str(admin),
+            "--probe-port",
+            str(probe),
+            "--ext-proc",
+            "127.0.0.1:1",
+            "--fleet",
+            str(fleet),
+        ],
         {},
     )
     proc = procs.add(start_envoy(params, config, log_dir, fleet=fleet_obj))
     envoy = container("envoy", "envoy")
     ports = {9902: probe}
-    return Case(proc, {
-        "k8s liveness": k8s_probe(envoy, "livenessProbe", ports),
-        "k8s readiness": k8s_probe(envoy, "readinessProbe", ports),
-        "compose": compose_check("envoy", ports),
-    })
+    return Case(
+        proc,
+        {
+            "k8s liveness": k8s_probe(envoy, "livenessProbe", ports),
+            "k8s readiness": k8s_probe(envoy, "readinessProbe", ports),
+            "compose": compose_check("envoy", ports),
+        },
+    )
 
 
 def control_plane_case(procs: ProcessReaper, log_dir: Path, namespace: str) -> Case:
     xds, admin, metrics = free_port(), free_port(), free_port()
-    proc = procs.add(start_module(
-        "control-plane", "prefix_router",
-        ["control-plane", "--xds-port", str(xds), "--admin-port", str(admin),
-         "--metrics-port", str(metrics), "--redis-url", REDIS_URL, "--namespace", namespace,
-         "--fleet-scrape-interval", "0", "--no-health-probe"],
-        log_dir, ready_ports=[xds, admin, metrics], env={"PREFIX_ROUTER_ADMIN_TOKEN": "t"},
-    ))
+    proc = procs.add(
+        start_module(
+            "control-plane",
+            "prefix_router",
+            [
+                "control-plane",
+                "--xds-port",
+                str(xds),
+                "--admin-port",
+                str(admin),
+                "--metrics-port",
+                str(metrics),
+                "--redis-url",
+                REDIS_URL,
+                "--namespace",
+                namespace,
+                "--fleet-scrape-interval",
+                "0",
+                "--no-health-probe",
+            ],
+            log_dir,
+            ready_ports=[xds, admin, metrics],
+            env={"PREFIX_ROUTER_ADMIN_TOKEN": "t"},
+        )
+    )
     cp = container("control-plane")
     ports = {18000: xds, 8081: admin, 9103: metrics}
-    return Case(proc, {
-        "k8s liveness": k8s_probe(cp, "livenessProbe", ports),
-        "k8s readiness": k8s_probe(cp, "readinessProbe", ports),
-        "compose": compose_check("control-plane", ports),
-    })
+    return Case(
+        proc,
+        {
+            "k8s liveness": k8s_probe(cp, "livenessProbe", ports),
+            "k8s readiness": k8s_probe(cp, "readinessProbe", ports),
+            "compose": compose_check("control-plane", ports),
+        },
+    )
 
 
 def start_redis(procs: ProcessReaper, log_dir: Path, acl_file: Path) -> tuple[ManagedProcess, int]:
@@ -209,15 +248,26 @@ def start_redis(procs: ProcessReaper, log_dir: Path, acl_file: Path) -> tuple[Ma
     binary = shutil.which("redis-server")
     assert binary, "redis-server is installed by scripts/ensure-test-services"
     port = free_port()
-    proc = procs.add(ManagedProcess(
-        "redis",
-        [binary, "--port", str(port), "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--aclfile", str(acl_file)],
-        log_dir / "redis.log",
-    ).start())
-    wait_until(
-        lambda: _run(["redis-cli", "-p", str(port), "ping"], {}, 5), 30, "redis answers"
+    proc = procs.add(
+        ManagedProcess(
+            "redis",
+            [
+                binary,
+                "--port",
+                str(port),
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--aclfile",
+                str(acl_file),
+            ],
+            log_dir / "redis.log",
+        ).start()
     )
+    wait_until(lambda: _run(["redis-cli", "-p", str(port), "ping"], {}, 5), 30, "redis answers")
     return proc, port
 
 
@@ -225,17 +275,21 @@ def redis_case(procs: ProcessReaper, log_dir: Path) -> Case:
     proc, port = start_redis(procs, log_dir, COMPOSE_DIR / "redis-users.acl.dev")
     redis = container("redis")
     ports = {6379: port}
-    return Case(proc, {
-        "k8s liveness": k8s_probe(redis, "livenessProbe", ports),
-        "k8s readiness": k8s_probe(redis, "readinessProbe", ports),
-        "compose": compose_check("redis", ports),
-    })
+    return Case(
+        proc,
+        {
+            "k8s liveness": k8s_probe(redis, "livenessProbe", ports),
+            "k8s readiness": k8s_probe(redis, "readinessProbe", ports),
+            "compose": compose_check("redis", ports),
+        },
+    )
 
 
 def simulator_case(procs: ProcessReaper, log_dir: Path) -> Case:
     port = free_port()
-    proc = procs.add(start_module("sim", "vllm_sim", ["--ports", str(port)], log_dir,
-                                  ready_ports=[port]))
+    proc = procs.add(
+        start_module("sim", "vllm_sim", ["--ports", str(port)], log_dir, ready_ports=[port])
+    )
     return Case(proc, {"compose": compose_check("sim-1", {8000: port})})
 
 
@@ -251,10 +305,12 @@ def test_every_liveness_probe_and_healthcheck_fails_while_its_process_hangs(
     namespace: str, procs: ProcessReaper, log_dir: Path
 ) -> None:
     """Envoy, ext_proc, the control plane, Redis (k8s and compose) and the simulator (compose)."""
-    check_catches_a_hang({
-        "ext_proc": ext_proc_case(procs, log_dir),
-        "envoy": envoy_case(procs, log_dir),
-        "control plane": control_plane_case(procs, log_dir, namespace),
-        "redis": redis_case(procs, log_dir),
-        "simulator": simulator_case(procs, log_dir),
-    })
+    check_catches_a_hang(
+        {
+            "ext_proc": ext_proc_case(procs, log_dir),
+            "envoy": envoy_case(procs, log_dir),
+            "control plane": control_plane_case(procs, log_dir, namespace),
+            "redis": redis_case(procs, log_dir),
+            "simulator": simulator_case(procs, log_dir),
+        }
+    )

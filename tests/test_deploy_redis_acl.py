@@ -35,8 +35,9 @@ SECRET_SCRIPT = ROOT / "deploy" / "k8s" / "redis-secret.sh"
 
 
 def make_secret() -> dict[str, str]:
-    result = subprocess.run(["sh", str(SECRET_SCRIPT)], capture_output=True, text=True,
-                            timeout=30, check=True)
+    result = subprocess.run(
+        ["sh", str(SECRET_SCRIPT)], capture_output=True, text=True, timeout=30, check=True
+    )
     secret = yaml.safe_load(result.stdout)
     assert secret["kind"] == "Secret" and secret["metadata"]["name"] == "prefix-router-redis"
     data: dict[str, str] = secret["stringData"]
@@ -47,7 +48,11 @@ def test_the_secret_script_makes_a_fresh_password_that_url_and_acl_share() -> No
     first, second = make_secret(), make_secret()
     url = urllib.parse.urlsplit(first["url"])
     assert (url.scheme, url.username, url.hostname, url.port, url.path) == (
-        "redis", "prefix-router", "redis", 6379, "/0"
+        "redis",
+        "prefix-router",
+        "redis",
+        6379,
+        "/0",
     )
     assert url.password and len(url.password) == 64
     assert first["users.acl"].splitlines() == [
@@ -66,19 +71,23 @@ def test_compose_dev_credentials_agree() -> None:
 
 
 def _route_one_request(port: int) -> pb.ProcessingResponse:
-    headers = pb.HttpHeaders(headers=base_pb2.HeaderMap(headers=[
-        base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions"),
-        base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
-    ]))
-    body = pb.HttpBody(body=b'{"model": "m", "prompt": "hello through an ACL"}',
-                       end_of_stream=True)
+    headers = pb.HttpHeaders(
+        headers=base_pb2.HeaderMap(
+            headers=[
+                base_pb2.HeaderValue(key=":path", raw_value=b"/v1/completions"),
+                base_pb2.HeaderValue(key=":method", raw_value=b"POST"),
+            ]
+        )
+    )
+    body = pb.HttpBody(body=b'{"model": "m", "prompt": "hello through an ACL"}', end_of_stream=True)
     messages = [
         pb.ProcessingRequest(request_headers=headers).SerializeToString(),
         pb.ProcessingRequest(request_body=body).SerializeToString(),
     ]
     with grpc.insecure_channel(f"127.0.0.1:{port}") as channel:
-        call = channel.stream_stream(PROCESS_PATH, request_serializer=None,
-                                     response_deserializer=None)
+        call = channel.stream_stream(
+            PROCESS_PATH, request_serializer=None, response_deserializer=None
+        )
         answers = [pb.ProcessingResponse.FromString(a) for a in call(iter(messages), timeout=10)]
     return answers[-1]
 
@@ -88,33 +97,95 @@ def _tls_files(directory: Path) -> dict[str, Path]:
     files = {name: directory / name for name in ("ca.key", "ca.pem", "key", "csr", "crt", "ext")}
     files["ext"].write_text("subjectAltName=IP:127.0.0.1\n")
     for argv in (
-        ["req", "-x509", "-newkey", "rsa:2048", "-nodes", "-keyout", files["ca.key"],
-         "-out", files["ca.pem"], "-days", "2", "-subj", "/CN=prefix-router test CA"],
-        ["req", "-newkey", "rsa:2048", "-nodes", "-keyout", files["key"], "-out", files["csr"],
-         "-subj", "/CN=127.0.0.1"],
-        ["x509", "-req", "-in", files["csr"], "-CA", files["ca.pem"], "-CAkey", files["ca.key"],
-         "-CAcreateserial", "-out", files["crt"], "-days", "2", "-extfile", files["ext"]],
+        [
+            "req",
+            "-x509",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            files["ca.key"],
+            "-out",
+            files["ca.pem"],
+            "-days",
+            "2",
+            "-subj",
+            "/CN=prefix-router test CA",
+        ],
+        [
+            "req",
+            "-newkey",
+            "rsa:2048",
+            "-nodes",
+            "-keyout",
+            files["key"],
+            "-out",
+            files["csr"],
+            "-subj",
+            "/CN=127.0.0.1",
+        ],
+        [
+            "x509",
+            "-req",
+            "-in",
+            files["csr"],
+            "-CA",
+            files["ca.pem"],
+            "-CAkey",
+            files["ca.key"],
+            "-CAcreateserial",
+            "-out",
+            files["crt"],
+            "-days",
+            "2",
+            "-extfile",
+            files["ext"],
+        ],
     ):
         subprocess.run(["openssl", *map(str, argv)], capture_output=True, timeout=60, check=True)
     return files
 
 
-def _start_redis(procs: ProcessReaper, log_dir: Path, acl: Path, tls: dict[str, Path] | None
-                 ) -> int:
+def _start_redis(
+    procs: ProcessReaper, log_dir: Path, acl: Path, tls: dict[str, Path] | None
+) -> int:
     binary = shutil.which("redis-server")
     assert binary, "redis-server is installed by scripts/ensure-test-services"
     port = free_port()
     listen = ["--port", str(port)]
     if tls is not None:
-        listen = ["--port", "0", "--tls-port", str(port), "--tls-cert-file", str(tls["crt"]),
-                  "--tls-key-file", str(tls["key"]), "--tls-ca-cert-file", str(tls["ca.pem"]),
-                  "--tls-auth-clients", "no"]
-    procs.add(ManagedProcess(
-        "redis",
-        [binary, *listen, "--bind", "127.0.0.1", "--save", "", "--appendonly", "no",
-         "--aclfile", str(acl)],
-        log_dir / "redis.log",
-    ).start())
+        listen = [
+            "--port",
+            "0",
+            "--tls-port",
+            str(port),
+            "--tls-cert-file",
+            str(tls["crt"]),
+            "--tls-key-file",
+            str(tls["key"]),
+            "--tls-ca-cert-file",
+            str(tls["ca.pem"]),
+            "--tls-auth-clients",
+            "no",
+        ]
+    procs.add(
+        ManagedProcess(
+            "redis",
+            [
+                binary,
+                *listen,
+                "--bind",
+                "127.0.0.1",
+                "--save",
+                "",
+                "--appendonly",
+                "no",
+                "--aclfile",
+                str(acl),
+            ],
+            log_dir / "redis.log",
+        ).start()
+    )
     return port
 
 
@@ -152,16 +223,39 @@ def test_components_work_through_the_acl_and_nobody_else_gets_in(
     fleet.write_text(yaml.safe_dump({"instances": [{"address": "127.0.0.1", "port": 9}]}))
 
     xds, admin = free_port(), free_port()
-    procs.add(start_module(
-        "control-plane", "prefix_router",
-        ["control-plane", "--xds-port", str(xds), "--admin-port", str(admin),
-         "--redis-url-file", str(url_file), "--namespace", namespace, "--fleet", str(fleet),
-         "--fleet-scrape-interval", "0", "--no-health-probe"],
-        log_dir, ready_ports=[xds, admin], env={"PREFIX_ROUTER_ADMIN_TOKEN": "t"},
-    ))
+    procs.add(
+        start_module(
+            "control-plane",
+            "prefix_router",
+            [
+                "control-plane",
+                "--xds-port",
+                str(xds),
+                "--admin-port",
+                str(admin),
+                "--redis-url-file",
+                str(url_file),
+                "--namespace",
+                namespace,
+                "--fleet",
+                str(fleet),
+                "--fleet-scrape-interval",
+                "0",
+                "--no-health-probe",
+            ],
+            log_dir,
+            ready_ports=[xds, admin],
+            env={"PREFIX_ROUTER_ADMIN_TOKEN": "t"},
+        )
+    )
     ext_proc_port = free_port()
-    procs.add(start_ext_proc(ext_proc_port, log_dir, args=[
-        "--redis-url-file", str(url_file), "--namespace", namespace]))
+    procs.add(
+        start_ext_proc(
+            ext_proc_port,
+            log_dir,
+            args=["--redis-url-file", str(url_file), "--namespace", namespace],
+        )
+    )
 
     def routed() -> bool:
         mutation = _route_one_request(ext_proc_port).request_body.response.header_mutation
@@ -169,18 +263,21 @@ def test_components_work_through_the_acl_and_nobody_else_gets_in(
 
     # ext_proc has no fleet of its own: a key means it read the control plane's from Redis.
     wait_until(routed, 30, "ext_proc routes with the fleet it read through the ACL")
-    anonymous = redis.Redis.from_url(local._replace(netloc=f"127.0.0.1:{port}").geturl(),
-                                     socket_timeout=5)
+    anonymous = redis.Redis.from_url(
+        local._replace(netloc=f"127.0.0.1:{port}").geturl(), socket_timeout=5
+    )
     try:
         assert user.exists(f"{namespace}fleet", f"{namespace}config") == 2
         # The routed request went through ext_proc's Lua script (its decision counted).
         wait_until(lambda: user.exists(f"{namespace}decisions"), 30, "the decision is counted")
         assert anonymous.ping()
-        for forbidden in (lambda: anonymous.get(f"{namespace}fleet"),
-                          lambda: anonymous.set("x", 1),
-                          lambda: user.set("outside-the-namespace", 1),
-                          lambda: user.flushall(),
-                          lambda: user.keys("*")):
+        for forbidden in (
+            lambda: anonymous.get(f"{namespace}fleet"),
+            lambda: anonymous.set("x", 1),
+            lambda: user.set("outside-the-namespace", 1),
+            lambda: user.flushall(),
+            lambda: user.keys("*"),
+        ):
             with pytest.raises(redis.exceptions.NoPermissionError):
                 forbidden()
     finally:
@@ -196,9 +293,17 @@ def test_an_empty_url_file_stops_the_component_at_start(tmp_path: Path, command:
     empty = tmp_path / "url"
     empty.write_text("")
     result = subprocess.run(
-        cli_command(command, "--port" if command == "ext-proc" else "--xds-port",
-                    str(free_port()), "--redis-url-file", str(empty)),
-        capture_output=True, text=True, timeout=60, cwd=ROOT,
+        cli_command(
+            command,
+            "--port" if command == "ext-proc" else "--xds-port",
+            str(free_port()),
+            "--redis-url-file",
+            str(empty),
+        ),
+        capture_output=True,
+        text=True,
+        timeout=60,
+        cwd=ROOT,
     )
     assert result.returncode == 2
     assert f"--redis-url-file {empty} is empty" in result.stderr

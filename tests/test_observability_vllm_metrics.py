@@ -121,20 +121,36 @@ def test_parse_vllm_metrics(text: str, expected: VllmReading) -> None:
     [
         # 9,000 prompt tokens queried, 3,000 hit: 6,000 computed in 2 s of prefill over a
         # minute: alone most of the time, ~ tokens per second of prefill (3,000 + 100)
-        (VllmReading(1000.0, 400.0, prefill_seconds=1.0),
-         VllmReading(10000.0, 3400.0, prefill_seconds=3.0), 60.0, 3100.0),
+        (
+            VllmReading(1000.0, 400.0, prefill_seconds=1.0),
+            VllmReading(10000.0, 3400.0, prefill_seconds=3.0),
+            60.0,
+            3100.0,
+        ),
         # 90,000 computed in 10 s while three requests at a time were in prefill (30 s of
         # per-request prefill time): busy 3/4 of the time at 12,000 tokens/s, not 3,000
-        (VllmReading(0.0, 0.0, prefill_seconds=0.0),
-         VllmReading(90000.0, 0.0, prefill_seconds=30.0), 10.0, 12000.0),
+        (
+            VllmReading(0.0, 0.0, prefill_seconds=0.0),
+            VllmReading(90000.0, 0.0, prefill_seconds=30.0),
+            10.0,
+            12000.0,
+        ),
         # too little prefill in the window to tell
-        (VllmReading(1000.0, 400.0, prefill_seconds=1.0),
-         VllmReading(2000.0, 400.0, prefill_seconds=1.5), 60.0, None),
+        (
+            VllmReading(1000.0, 400.0, prefill_seconds=1.0),
+            VllmReading(2000.0, 400.0, prefill_seconds=1.5),
+            60.0,
+            None,
+        ),
         # a server without the prefill histogram
         (VllmReading(1000.0, 400.0), VllmReading(9000.0, 400.0), 60.0, None),
         # a restart (counters went down): the newer reading alone is the window
-        (VllmReading(90000.0, 400.0, prefill_seconds=90.0),
-         VllmReading(6000.0, 0.0, prefill_seconds=2.0), 60.0, 3100.0),
+        (
+            VllmReading(90000.0, 400.0, prefill_seconds=90.0),
+            VllmReading(6000.0, 0.0, prefill_seconds=2.0),
+            60.0,
+            3100.0,
+        ),
     ],
 )
 def test_the_prefill_rate_is_learned_from_computed_tokens_per_second_of_prefill(

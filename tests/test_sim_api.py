@@ -62,19 +62,22 @@ async def test_openai_client_completions(sim: tuple[SimInstance, httpx.AsyncClie
     oai = openai_client(client)
     prompt = "The quick brown fox jumps over the lazy dog. " * 40
     n_prompt = await tokens_of(client, {"prompt": prompt})
-    first = await oai.completions.create(model=MODEL, prompt=prompt, max_tokens=5,
-                                         extra_body={"ignore_eos": True})
+    first = await oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, extra_body={"ignore_eos": True}
+    )
     assert first.usage is not None and first.usage.completion_tokens == 5
     assert first.usage.prompt_tokens == n_prompt == -(-len(prompt) // 4)
     assert len(first.choices[0].text) == 4 * 5 and first.choices[0].finish_reason == "length"
-    again = await oai.completions.create(model=MODEL, prompt=prompt, max_tokens=5,
-                                         extra_body={"ignore_eos": True})
+    again = await oai.completions.create(
+        model=MODEL, prompt=prompt, max_tokens=5, extra_body={"ignore_eos": True}
+    )
     details = again.usage.prompt_tokens_details if again.usage else None
     assert details is not None and details.cached_tokens == (n_prompt - 1) // 16 * 16
     assert again.choices[0].text == first.choices[0].text  # deterministic output
 
-    stream = await oai.completions.create(model=MODEL, prompt="hi", max_tokens=7, stream=True,
-                                          extra_body={"ignore_eos": True})
+    stream = await oai.completions.create(
+        model=MODEL, prompt="hi", max_tokens=7, stream=True, extra_body={"ignore_eos": True}
+    )
     texts = [chunk.choices[0].text async for chunk in stream]
     assert len(texts) == 7 and all(len(t) == 4 for t in texts)
 
@@ -89,8 +92,12 @@ async def test_openai_client_chat_stream_and_multi_turn(
         {"role": "user", "content": "Tell me about prefix caching. " * 20},
     ]
     stream = await oai.chat.completions.create(
-        model=MODEL, messages=messages, max_tokens=40, stream=True,
-        stream_options={"include_usage": True}, extra_body={"ignore_eos": True},
+        model=MODEL,
+        messages=messages,
+        max_tokens=40,
+        stream=True,
+        stream_options={"include_usage": True},
+        extra_body={"ignore_eos": True},
     )
     chunks = [chunk async for chunk in stream]
     assert chunks[0].object == "chat.completion.chunk"
@@ -177,16 +184,20 @@ async def test_models_health_headers_and_request_id(
 async def test_metrics_parse_with_vllm_names(sim: tuple[SimInstance, httpx.AsyncClient]) -> None:
     instance, client = sim
     for _ in range(2):
-        r = await client.post("/v1/completions", json={"prompt": "y" * 400, "max_tokens": 3,
-                                                        "ignore_eos": True})
+        r = await client.post(
+            "/v1/completions", json={"prompt": "y" * 400, "max_tokens": 3, "ignore_eos": True}
+        )
         assert r.status_code == 200
     text = (await client.get("/metrics")).text
     families = {f.name: f for f in text_string_to_metric_families(text)}
     labels = {"model_name": MODEL, "engine": "0"}
 
     def value(family: str, sample: str, **extra: str) -> float:
-        found = [s.value for s in families[family].samples
-                 if s.name == sample and s.labels == {**labels, **extra}]
+        found = [
+            s.value
+            for s in families[family].samples
+            if s.name == sample and s.labels == {**labels, **extra}
+        ]
         assert len(found) == 1, (family, sample, extra)
         return found[0]
 
@@ -198,14 +209,18 @@ async def test_metrics_parse_with_vllm_names(sim: tuple[SimInstance, httpx.Async
     assert (queries, hits) == (200, 96)  # 2 x 100 tokens; the second hits floor(99/16)*16
     assert value("vllm:prompt_tokens", "vllm:prompt_tokens_total") == 200
     assert value("vllm:generation_tokens", "vllm:generation_tokens_total") == 6
-    assert value("vllm:request_success", "vllm:request_success_total",
-                 finished_reason="length") == 2
+    assert (
+        value("vllm:request_success", "vllm:request_success_total", finished_reason="length") == 2
+    )
     assert value("vllm:num_preemptions", "vllm:num_preemptions_total") == 0
-    for hist, buckets in (("vllm:time_to_first_token_seconds", TTFT_BUCKETS),
-                          ("vllm:e2e_request_latency_seconds", E2E_BUCKETS)):
+    for hist, buckets in (
+        ("vllm:time_to_first_token_seconds", TTFT_BUCKETS),
+        ("vllm:e2e_request_latency_seconds", E2E_BUCKETS),
+    ):
         assert families[hist].type == "histogram"
-        bounds = [float(s.labels["le"]) for s in families[hist].samples
-                  if s.name == hist + "_bucket"]
+        bounds = [
+            float(s.labels["le"]) for s in families[hist].samples if s.name == hist + "_bucket"
+        ]
         assert bounds == [*buckets, float("inf")]
         assert value(hist, hist + "_count") == 2
     info = families["vllm:cache_config_info"].samples[0]
@@ -227,8 +242,12 @@ BAD_REQUESTS: list[tuple[str, bytes, int, str | None]] = [
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 0}', 400, "max_tokens"),
     ("/v1/completions", b'{"prompt": "x", "max_tokens": true}', 400, "max_tokens"),
     ("/v1/completions", b'{"prompt": "x", "stream": "yes"}', 400, "stream"),
-    ("/v1/completions", b'{"prompt": "x", "stream_options": {"include_usage": true}}', 400,
-     "stream_options"),
+    (
+        "/v1/completions",
+        b'{"prompt": "x", "stream_options": {"include_usage": true}}',
+        400,
+        "stream_options",
+    ),
     ("/v1/completions", b'{"prompt": "x", "cache_salt": ""}', 400, "cache_salt"),
     ("/v1/completions", b'{"prompt": "x", "cache_salt": 3}', 400, "cache_salt"),
     ("/v1/completions", b'{"prompt": "x", "n": 2}', 400, "n"),
@@ -238,18 +257,25 @@ BAD_REQUESTS: list[tuple[str, bytes, int, str | None]] = [
     ("/v1/completions", b'{"prompt": "x", "max_tokens": 200000}', 400, "max_tokens"),
     ("/v1/chat/completions", b'{"model": "gpt-4", "messages": []}', 404, "model"),
     ("/v1/completions", b'{"model": "gpt-4", "prompt": "x"}', 404, "model"),
-    ("/v1/chat/completions", b'{}', 400, "messages"),
+    ("/v1/chat/completions", b"{}", 400, "messages"),
     ("/v1/chat/completions", b'{"messages": "hi"}', 400, "messages"),
     ("/v1/chat/completions", b'{"messages": []}', 400, "messages"),
     ("/v1/chat/completions", b'{"messages": [1]}', 400, "messages"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "wizard", "content": "x"}]}', 400,
-     "messages"),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "wizard", "content": "x"}]}',
+        400,
+        "messages",
+    ),
     ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": 5}]}', 400, "messages"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [1]}]}', 400,
-     "messages"),
+    ("/v1/chat/completions", b'{"messages": [{"role": "user", "content": [1]}]}', 400, "messages"),
     ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "tools": {}}', 400, "tools"),
-    ("/v1/chat/completions", b'{"messages": [{"role": "user"}], "max_completion_tokens": -1}',
-     400, "max_completion_tokens"),
+    (
+        "/v1/chat/completions",
+        b'{"messages": [{"role": "user"}], "max_completion_tokens": -1}',
+        400,
+        "max_completion_tokens",
+    ),
     ("/tokenize", b'{"model": "x", "prompt": "a"}', 404, "model"),
     ("/tokenize", b'{"text": "a"}', 400, "prompt"),
     ("/sim/fault", b'{"mode": "explode"}', 400, "mode"),
@@ -259,12 +285,14 @@ BAD_REQUESTS: list[tuple[str, bytes, int, str | None]] = [
 
 @pytest.mark.parametrize(("path", "body", "status", "param"), BAD_REQUESTS)
 async def test_bad_input_gets_openai_error(
-    sim: tuple[SimInstance, httpx.AsyncClient], path: str, body: bytes, status: int,
+    sim: tuple[SimInstance, httpx.AsyncClient],
+    path: str,
+    body: bytes,
+    status: int,
     param: str | None,
 ) -> None:
     _, client = sim
-    response = await client.post(path, content=body,
-                                 headers={"content-type": "application/json"})
+    response = await client.post(path, content=body, headers={"content-type": "application/json"})
     assert response.status_code == status, response.text
     error = response.json()["error"]
     assert error["code"] == status and error["param"] == param
@@ -281,8 +309,7 @@ async def test_multi_mib_bodies(sim: tuple[SimInstance, httpx.AsyncClient]) -> N
     transport = httpx.ASGITransport(app=create_app(instance))
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://sim") as big:
-            body = {"messages": [{"role": "user", "content": "wxyz" * (3 << 18)}],
-                    "max_tokens": 1}
+            body = {"messages": [{"role": "user", "content": "wxyz" * (3 << 18)}], "max_tokens": 1}
             response = await big.post("/v1/chat/completions", json=body)  # 3 MiB of content
     finally:
         await instance.stop()
@@ -292,14 +319,31 @@ async def test_multi_mib_bodies(sim: tuple[SimInstance, httpx.AsyncClient]) -> N
 
 
 JSON = st.recursive(
-    st.none() | st.booleans() | st.integers(-5, 70000) | st.floats(allow_nan=True)
+    st.none()
+    | st.booleans()
+    | st.integers(-5, 70000)
+    | st.floats(allow_nan=True)
     | st.text(max_size=8),
-    lambda inner: st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner,
-                                                                  max_size=3),
+    lambda inner: (
+        st.lists(inner, max_size=3) | st.dictionaries(st.text(max_size=5), inner, max_size=3)
+    ),
     max_leaves=6,
 )
-FIELDS = ["model", "prompt", "messages", "max_tokens", "max_completion_tokens", "stream",
-          "stream_options", "cache_salt", "ignore_eos", "n", "seed", "tools", "temperature"]
+FIELDS = [
+    "model",
+    "prompt",
+    "messages",
+    "max_tokens",
+    "max_completion_tokens",
+    "stream",
+    "stream_options",
+    "cache_salt",
+    "ignore_eos",
+    "n",
+    "seed",
+    "tools",
+    "temperature",
+]
 
 
 @settings(max_examples=60, deadline=None, suppress_health_check=[HealthCheck.too_slow])
@@ -358,8 +402,9 @@ async def test_state_shows_requests_in_flight() -> None:
     try:
         async with httpx.AsyncClient(transport=transport, base_url="http://sim") as client:
             body = {"prompt": "in flight", "max_tokens": 40, "ignore_eos": True}
-            calls = [asyncio.ensure_future(client.post("/v1/completions", json=body))
-                     for _ in range(3)]
+            calls = [
+                asyncio.ensure_future(client.post("/v1/completions", json=body)) for _ in range(3)
+            ]
             seen = 0
 
             async def all_running() -> bool:
@@ -424,9 +469,24 @@ def _read_ready_lines(proc: subprocess.Popen[str], count: int) -> list[str]:
 def test_cli_serves_instances_in_a_subprocess_and_stops_on_sigterm() -> None:
     env = {**os.environ, "PYTHONPATH": str(REPO)}
     proc = subprocess.Popen(
-        [sys.executable, "-m", "vllm_sim", "--instances", "2", "--base-port", "0",
-         "--time-scale", "1000", "--model", "test-model"],
-        stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=env, cwd=REPO,
+        [
+            sys.executable,
+            "-m",
+            "vllm_sim",
+            "--instances",
+            "2",
+            "--base-port",
+            "0",
+            "--time-scale",
+            "1000",
+            "--model",
+            "test-model",
+        ],
+        stdout=subprocess.PIPE,
+        stderr=subprocess.PIPE,
+        text=True,
+        env=env,
+        cwd=REPO,
         start_new_session=True,  # its own group: stopped whole below, on every path
     )
     try:
@@ -436,10 +496,14 @@ def test_cli_serves_instances_in_a_subprocess_and_stops_on_sigterm() -> None:
         with httpx.Client(timeout=10) as client:
             served_by = set()
             for url in urls:
-                response = client.post(url + "/v1/chat/completions", json={
-                    "model": "test-model", "messages": [{"role": "user", "content": "hi"}],
-                    "max_tokens": 4,
-                })
+                response = client.post(
+                    url + "/v1/chat/completions",
+                    json={
+                        "model": "test-model",
+                        "messages": [{"role": "user", "content": "hi"}],
+                        "max_tokens": 4,
+                    },
+                )
                 assert response.status_code == 200, response.text
                 served_by.add(response.headers["x-sim-instance"])
             assert served_by == {url.rsplit(":", 1)[1] for url in urls}
@@ -480,15 +544,17 @@ async def test_an_adapter_loaded_at_runtime_is_served_and_listed_until_unloaded(
         return [m["id"] for m in (await client.get("/v1/models")).json()["data"]]
 
     assert (await client.post("/v1/chat/completions", json=body)).status_code == 404
-    loaded = await client.post("/v1/load_lora_adapter", json={"lora_name": "lora-b",
-                                                              "lora_path": "/adapters/b"})
+    loaded = await client.post(
+        "/v1/load_lora_adapter", json={"lora_name": "lora-b", "lora_path": "/adapters/b"}
+    )
     assert loaded.status_code == 200
     assert await listed() == [MODEL, "lora-a", "lora-b"]
     assert (await client.post("/v1/chat/completions", json=body)).status_code == 200
     again = await client.post("/v1/load_lora_adapter", json={"lora_name": "lora-b"})
     assert again.status_code == 400
-    assert (await client.post("/v1/unload_lora_adapter",
-                              json={"lora_name": "lora-b"})).status_code == 200
+    assert (
+        await client.post("/v1/unload_lora_adapter", json={"lora_name": "lora-b"})
+    ).status_code == 200
     assert await listed() == [MODEL, "lora-a"]
     assert (await client.post("/v1/chat/completions", json=body)).status_code == 404
     missing = await client.post("/v1/unload_lora_adapter", json={"lora_name": "lora-b"})

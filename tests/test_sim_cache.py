@@ -180,8 +180,14 @@ def test_blocks_filled_during_decode_are_cached_for_follow_ups() -> None:
     scheduler = Scheduler(config)
     prompt, output = toks(20), toks(20, 5000)
     tokens = prompt + output
-    seq = new_sequence(request_id="a", prompt=prompt, output=output, finish_reason="length",
-                       arrival_time=0.0, hashes=hashes(tokens))
+    seq = new_sequence(
+        request_id="a",
+        prompt=prompt,
+        output=output,
+        finish_reason="length",
+        arrival_time=0.0,
+        hashes=hashes(tokens),
+    )
     scheduler.add(seq)
     _run_to_completion(scheduler)
     # 20 prompt + 19 fed-back outputs have KV (the last sampled token never does):

@@ -19,14 +19,23 @@ def seq(rid: str, prompt_len: int, out_len: int, *, start: int = 0) -> Sequence:
     prompt = list(range(start, start + prompt_len))
     output = list(range(10**6, 10**6 + out_len))
     return new_sequence(
-        request_id=rid, prompt=prompt, output=output, finish_reason="length", arrival_time=0.0,
+        request_id=rid,
+        prompt=prompt,
+        output=output,
+        finish_reason="length",
+        arrival_time=0.0,
         hashes=hash_blocks(prompt + output, block_size=16, seed=hash_seed("m", None)),
     )
 
 
 def test_cost_model_is_linear_in_its_inputs() -> None:
-    cost = CostModel(step_overhead_s=0.01, prefill_tokens_per_s=1000.0, decode_step_s=0.002,
-                     decode_s_per_seq=0.001, attention_s_per_token=1e-6)
+    cost = CostModel(
+        step_overhead_s=0.01,
+        prefill_tokens_per_s=1000.0,
+        decode_step_s=0.002,
+        decode_s_per_seq=0.001,
+        attention_s_per_token=1e-6,
+    )
     assert cost.step_seconds(prefill_tokens=500, decode_seqs=0, context_tokens=0) == 0.51
     assert cost.step_seconds(prefill_tokens=0, decode_seqs=3, context_tokens=1000) == (
         pytest.approx(0.01 + 0.002 + 0.003 + 0.001)
@@ -139,10 +148,16 @@ async def test_repeated_prompt_ttft_drops_by_the_cached_share() -> None:
         ttft_cold = cold.first_token_time - cold.arrival_time  # type: ignore[operator]
         ttft_warm = warm.first_token_time - warm.arrival_time  # type: ignore[operator]
         assert warm.cached_tokens == 7984  # floor(7999 / 16) * 16
-        assert ttft_cold == pytest.approx(cost.step_overhead_s + 8000 / cost.prefill_tokens_per_s
-                                          + 8000 * cost.attention_s_per_token)
-        assert ttft_warm == pytest.approx(cost.step_overhead_s + 16 / cost.prefill_tokens_per_s
-                                          + 8000 * cost.attention_s_per_token)
+        assert ttft_cold == pytest.approx(
+            cost.step_overhead_s
+            + 8000 / cost.prefill_tokens_per_s
+            + 8000 * cost.attention_s_per_token
+        )
+        assert ttft_warm == pytest.approx(
+            cost.step_overhead_s
+            + 16 / cost.prefill_tokens_per_s
+            + 8000 * cost.attention_s_per_token
+        )
         assert ttft_warm < 0.1 * ttft_cold
     finally:
         await engine.stop()
@@ -154,10 +169,15 @@ async def test_reported_latency_does_not_depend_on_time_scale() -> None:
         engine = Engine(make_config(time_scale=scale))
         engine.start()
         try:
-            s = await run(engine, GenerationParams(prompt=prompt_of(3000), max_tokens=3,
-                                                   ignore_eos=True))
-            ttfts.append((s.first_token_time - s.arrival_time,  # type: ignore[operator]
-                          s.finish_time - s.arrival_time))  # type: ignore[operator]
+            s = await run(
+                engine, GenerationParams(prompt=prompt_of(3000), max_tokens=3, ignore_eos=True)
+            )
+            ttfts.append(
+                (
+                    s.first_token_time - s.arrival_time,  # type: ignore[operator]
+                    s.finish_time - s.arrival_time,
+                )
+            )  # type: ignore[operator]
         finally:
             await engine.stop()
     assert ttfts[0] == pytest.approx(ttfts[1])
@@ -169,8 +189,10 @@ async def test_ttft_grows_when_the_instance_is_saturated() -> None:
     try:
         alone = await run(engine, GenerationParams(prompt=prompt_of(6000, 99), max_tokens=2))
         single = alone.first_token_time - alone.arrival_time  # type: ignore[operator]
-        handles = [engine.submit(GenerationParams(prompt=prompt_of(6000, i), max_tokens=2))
-                   for i in range(12)]
+        handles = [
+            engine.submit(GenerationParams(prompt=prompt_of(6000, i), max_tokens=2))
+            for i in range(12)
+        ]
         await asyncio.gather(*(h.wait_done() for h in handles))
         ttfts = [h.seq.first_token_time - h.seq.arrival_time for h in handles]  # type: ignore
         assert ttfts == sorted(ttfts)  # FCFS: later arrivals wait longer
@@ -186,8 +208,9 @@ async def test_output_length_and_text_are_deterministic() -> None:
     engine = Engine(make_config(time_scale=FAST))
     engine.start()
     try:
-        exact = await run(engine, GenerationParams(prompt=prompt_of(50), max_tokens=37,
-                                                   ignore_eos=True))
+        exact = await run(
+            engine, GenerationParams(prompt=prompt_of(50), max_tokens=37, ignore_eos=True)
+        )
         assert exact.num_output == 37 and exact.finish_reason == "length"
         lengths = set()
         for salt in range(12):
@@ -209,8 +232,9 @@ async def test_requests_longer_than_the_context_are_refused() -> None:
         with pytest.raises(BadRequestError):  # 150 + 11 tokens: one past the 160-token pool
             engine.submit(GenerationParams(prompt=prompt_of(150), max_tokens=11))
         # Exactly the pool: accepted and generated to the end in the blocks there are.
-        fits = await run(engine, GenerationParams(prompt=prompt_of(150), max_tokens=10,
-                                                  ignore_eos=True))
+        fits = await run(
+            engine, GenerationParams(prompt=prompt_of(150), max_tokens=10, ignore_eos=True)
+        )
         assert fits.num_output == 10 and fits.finish_reason == "length"
     finally:
         await engine.stop()
@@ -219,8 +243,9 @@ async def test_requests_longer_than_the_context_are_refused() -> None:
 async def test_pause_freezes_progress_and_stop_aborts() -> None:
     engine = Engine(make_config(time_scale=1e4))
     engine.start()
-    handle = engine.submit(GenerationParams(prompt=prompt_of(100), max_tokens=1000,
-                                            ignore_eos=True))
+    handle = engine.submit(
+        GenerationParams(prompt=prompt_of(100), max_tokens=1000, ignore_eos=True)
+    )
     await handle.wait(2)
     engine.pause()
     await asyncio.sleep(0.01)

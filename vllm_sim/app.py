@@ -62,14 +62,18 @@ async def _lora_name(request: Request) -> tuple[str, Response | None]:
         body = None
     name = body.get("lora_name") if isinstance(body, dict) else None
     if not isinstance(name, str) or not name:
-        return "", _error("lora_name is required", status=400, err_type="BadRequestError",
-                          param="lora_name")
+        return "", _error(
+            "lora_name is required", status=400, err_type="BadRequestError", param="lora_name"
+        )
     return name, None
 
 
 def _unavailable() -> Response:
-    return _error("The instance is unhealthy (fault injected) or stopping.", status=503,
-                  err_type="ServiceUnavailableError")
+    return _error(
+        "The instance is unhealthy (fault injected) or stopping.",
+        status=503,
+        err_type="ServiceUnavailableError",
+    )
 
 
 def _guarded(handler: Endpoint) -> Endpoint:
@@ -129,9 +133,13 @@ class _Routes:
         created = int(time.time())
         if api.stream:
             writer = ChunkWriter(kind, rid=rid, created=created, model=api.model)
-            return TokenStream(handle, writer, chat=kind == "chat",
-                               include_usage=api.include_usage,
-                               abort=lambda: instance.abort(handle))
+            return TokenStream(
+                handle,
+                writer,
+                chat=kind == "chat",
+                include_usage=api.include_usage,
+                abort=lambda: instance.abort(handle),
+            )
         watcher = watch_disconnect(request.receive, lambda: instance.abort(handle))
         try:
             await handle.wait_done()
@@ -140,11 +148,16 @@ class _Routes:
             if not handle.done:
                 instance.abort(handle)
         if handle.aborted:
-            return _error("The request was aborted.", status=503,
-                          err_type="ServiceUnavailableError")
+            return _error(
+                "The request was aborted.", status=503, err_type="ServiceUnavailableError"
+            )
         body = full_response(
-            kind, rid=rid, created=created, model=api.model,
-            text=detokenize_output(handle.output_ids), finish_reason=handle.seq.finish_reason,
+            kind,
+            rid=rid,
+            created=created,
+            model=api.model,
+            text=detokenize_output(handle.output_ids),
+            finish_reason=handle.seq.finish_reason,
             usage_body=usage_of(handle),
         )
         return Response(body, media_type="application/json")
@@ -157,11 +170,18 @@ class _Routes:
 
     async def models(self, request: Request) -> Response:
         config = self.instance.config
-        data = [{
-            "id": name, "object": "model", "created": self.instance.created, "owned_by": "vllm",
-            "root": config.model, "parent": None if name == config.model else config.model,
-            "max_model_len": config.effective_max_model_len,
-        } for name in config.served_models]
+        data = [
+            {
+                "id": name,
+                "object": "model",
+                "created": self.instance.created,
+                "owned_by": "vllm",
+                "root": config.model,
+                "parent": None if name == config.model else config.model,
+                "max_model_len": config.effective_max_model_len,
+            }
+            for name in config.served_models
+        ]
         return _json({"object": "list", "data": data})
 
     async def load_lora_adapter(self, request: Request) -> Response:
@@ -172,10 +192,15 @@ class _Routes:
             return error
         config = self.instance.config
         if name in config.served_models:
-            return _error(f"The lora adapter '{name}' has already been loaded.", status=400,
-                          err_type="InvalidUserInput", param="lora_name")
+            return _error(
+                f"The lora adapter '{name}' has already been loaded.",
+                status=400,
+                err_type="InvalidUserInput",
+                param="lora_name",
+            )
         self.instance.config = dataclasses.replace(
-            config, lora_modules=(*config.lora_modules, name))
+            config, lora_modules=(*config.lora_modules, name)
+        )
         return Response(f"Success: LoRA adapter '{name}' added successfully.")
 
     async def unload_lora_adapter(self, request: Request) -> Response:
@@ -184,10 +209,15 @@ class _Routes:
             return error
         config = self.instance.config
         if name not in config.lora_modules:
-            return _error(f"The lora adapter '{name}' cannot be found.", status=404,
-                          err_type="NotFoundError", param="lora_name")
+            return _error(
+                f"The lora adapter '{name}' cannot be found.",
+                status=404,
+                err_type="NotFoundError",
+                param="lora_name",
+            )
         self.instance.config = dataclasses.replace(
-            config, lora_modules=tuple(m for m in config.lora_modules if m != name))
+            config, lora_modules=tuple(m for m in config.lora_modules if m != name)
+        )
         return Response(f"Success: LoRA adapter '{name}' removed successfully.")
 
     async def health(self, request: Request) -> Response:
@@ -201,8 +231,14 @@ class _Routes:
     async def tokenize(self, request: Request) -> Response:
         config = self.instance.config
         tokens = parse_tokenize(await request.body(), config)
-        return _json({"count": len(tokens), "max_model_len": config.effective_max_model_len,
-                      "tokens": tokens, "token_strs": None})
+        return _json(
+            {
+                "count": len(tokens),
+                "max_model_len": config.effective_max_model_len,
+                "tokens": tokens,
+                "token_strs": None,
+            }
+        )
 
     async def version(self, request: Request) -> Response:
         return _json({"version": "vllm-sim"})

@@ -27,9 +27,16 @@ _SCALED_FLAGS: dict[str, tuple[str, Callable[[float], float]]] = {
     "attention_ns_per_token": ("attention_s_per_token", lambda v: v / 1e9),
     "prefill_tokens_per_s": ("prefill_tokens_per_s", lambda v: v),
 }
-_PLAIN_FLAGS = ("model", "block_size", "num_gpu_blocks", "max_num_seqs",
-                "max_num_batched_tokens", "max_model_len", "default_max_tokens",
-                "enable_prefix_caching")
+_PLAIN_FLAGS = (
+    "model",
+    "block_size",
+    "num_gpu_blocks",
+    "max_num_seqs",
+    "max_num_batched_tokens",
+    "max_model_len",
+    "default_max_tokens",
+    "enable_prefix_caching",
+)
 
 
 def _ports(text: str) -> list[int]:
@@ -46,36 +53,61 @@ def build_parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(
         prog="vllm-sim",
         description="Simulated vLLM servers (OpenAI API, prefix cache, vLLM metrics), "
-                    "one port per instance, all in one process.",
+        "one port per instance, all in one process.",
     )
     p.add_argument("--instances", type=int, default=4, help="number of instances (default 4)")
-    p.add_argument("--base-port", type=int, default=8001,
-                   help="first port; instances take consecutive ports (0: any free ports)")
-    p.add_argument("--ports", type=_ports, default=None,
-                   help="comma-separated ports, one instance each (overrides the two above)")
+    p.add_argument(
+        "--base-port",
+        type=int,
+        default=8001,
+        help="first port; instances take consecutive ports (0: any free ports)",
+    )
+    p.add_argument(
+        "--ports",
+        type=_ports,
+        default=None,
+        help="comma-separated ports, one instance each (overrides the two above)",
+    )
     p.add_argument("--host", default="127.0.0.1")
     p.add_argument("--profile", default=DEFAULT_PROFILE, choices=sorted(PROFILES))
-    p.add_argument("--time-scale", type=float, default=1.0,
-                   help="divide every simulated duration by this when sleeping (default 1)")
+    p.add_argument(
+        "--time-scale",
+        type=float,
+        default=1.0,
+        help="divide every simulated duration by this when sleeping (default 1)",
+    )
     p.add_argument("--model", default=None, help="served model name (default: the profile's)")
-    p.add_argument("--lora-modules", default="",
-                   help="comma-separated extra served names (LoRA adapters)")
-    p.add_argument("--serve", action="append", default=[], metavar="MODEL[,ADAPTER...]",
-                   help="what one instance serves: its base model, then LoRA adapters; "
-                        "repeat per instance (cycled over the instances in port order)")
+    p.add_argument(
+        "--lora-modules", default="", help="comma-separated extra served names (LoRA adapters)"
+    )
+    p.add_argument(
+        "--serve",
+        action="append",
+        default=[],
+        metavar="MODEL[,ADAPTER...]",
+        help="what one instance serves: its base model, then LoRA adapters; "
+        "repeat per instance (cycled over the instances in port order)",
+    )
     p.add_argument("--block-size", type=int, default=None)
     p.add_argument("--num-gpu-blocks", type=int, default=None)
     p.add_argument("--max-num-seqs", type=int, default=None)
     p.add_argument("--max-num-batched-tokens", type=int, default=None)
     p.add_argument("--max-model-len", type=int, default=None)
-    p.add_argument("--default-max-tokens", type=int, default=None,
-                   help="max_tokens of chat requests that give none")
-    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction,
-                   default=None)
+    p.add_argument(
+        "--default-max-tokens",
+        type=int,
+        default=None,
+        help="max_tokens of chat requests that give none",
+    )
+    p.add_argument("--enable-prefix-caching", action=argparse.BooleanOptionalAction, default=None)
     p.add_argument("--prefill-tokens-per-s", type=float, default=None)
     p.add_argument("--step-overhead-ms", type=float, default=None, help="t0 of every step")
-    p.add_argument("--decode-step-ms", type=float, default=None,
-                   help="extra cost of a step with decoding sequences")
+    p.add_argument(
+        "--decode-step-ms",
+        type=float,
+        default=None,
+        help="extra cost of a step with decoding sequences",
+    )
     p.add_argument("--decode-ms-per-seq", type=float, default=None)
     p.add_argument("--attention-ns-per-token", type=float, default=None)
     p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto")
@@ -121,10 +153,19 @@ def main(argv: list[str] | None = None) -> int:
         serve = [tuple(n.strip() for n in spec.split(",") if n.strip()) for spec in args.serve]
         if any(not served for served in serve):
             raise SimConfigError("--serve needs a model name")
-        _run(serve_instances(
-            host=args.host, base_port=args.base_port, count=args.instances, ports=args.ports,
-            profile=args.profile, time_scale=args.time_scale, serve=serve, **overrides,
-        ), args.loop)
+        _run(
+            serve_instances(
+                host=args.host,
+                base_port=args.base_port,
+                count=args.instances,
+                ports=args.ports,
+                profile=args.profile,
+                time_scale=args.time_scale,
+                serve=serve,
+                **overrides,
+            ),
+            args.loop,
+        )
     except SimConfigError as exc:
         print(f"vllm-sim: invalid settings: {exc}", file=sys.stderr)
         return 2

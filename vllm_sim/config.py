@@ -56,8 +56,12 @@ class CostModel:
 
     def __post_init__(self) -> None:
         _require(self.prefill_tokens_per_s > 0, "prefill_tokens_per_s must be > 0")
-        for name in ("step_overhead_s", "decode_step_s", "decode_s_per_seq",
-                     "attention_s_per_token"):
+        for name in (
+            "step_overhead_s",
+            "decode_step_s",
+            "decode_s_per_seq",
+            "attention_s_per_token",
+        ):
             value = getattr(self, name)
             _require(math.isfinite(value) and value >= 0, f"{name} must be finite and >= 0")
 
@@ -102,8 +106,14 @@ class EngineConfig:
         _require(bool(self.model), "model must be a non-empty name")
         _require(self.model not in self.lora_modules, "a LoRA name repeats the model name")
         _require(len(set(self.lora_modules)) == len(self.lora_modules), "duplicate LoRA name")
-        for name in ("block_size", "num_gpu_blocks", "max_num_seqs", "max_num_batched_tokens",
-                     "max_model_len", "default_max_tokens"):
+        for name in (
+            "block_size",
+            "num_gpu_blocks",
+            "max_num_seqs",
+            "max_num_batched_tokens",
+            "max_model_len",
+            "default_max_tokens",
+        ):
             value = getattr(self, name)
             _require(isinstance(value, int) and value >= 1, f"{name} must be an integer >= 1")
         _require(math.isfinite(self.time_scale) and self.time_scale > 0, "time_scale must be > 0")
@@ -121,34 +131,36 @@ class EngineConfig:
 
 _COST_FIELDS = frozenset(f.name for f in dataclasses.fields(CostModel))
 
-PROFILES: Mapping[str, EngineConfig] = MappingProxyType({
-    # 8xH100 TP8, BF16: ~22k prompt tok/s, ~20 ms/token at light load, ~1.3M KV tokens.
-    "llama-3.1-70b-8xh100": EngineConfig(
-        model="meta-llama/Llama-3.1-70B-Instruct",
-        num_gpu_blocks=81_000,
-        cost=CostModel(
-            step_overhead_s=0.017,
-            prefill_tokens_per_s=22_000.0,
-            decode_step_s=0.0025,
-            decode_s_per_seq=0.00015,
-            # 320 KiB of KV per token spread over 8 GPUs at ~3.35 TB/s each.
-            attention_s_per_token=1.2e-8,
+PROFILES: Mapping[str, EngineConfig] = MappingProxyType(
+    {
+        # 8xH100 TP8, BF16: ~22k prompt tok/s, ~20 ms/token at light load, ~1.3M KV tokens.
+        "llama-3.1-70b-8xh100": EngineConfig(
+            model="meta-llama/Llama-3.1-70B-Instruct",
+            num_gpu_blocks=81_000,
+            cost=CostModel(
+                step_overhead_s=0.017,
+                prefill_tokens_per_s=22_000.0,
+                decode_step_s=0.0025,
+                decode_s_per_seq=0.00015,
+                # 320 KiB of KV per token spread over 8 GPUs at ~3.35 TB/s each.
+                attention_s_per_token=1.2e-8,
+            ),
         ),
-    ),
-    # 1xH100: ~30k prompt tok/s, ~7 ms/token at light load, ~0.4M KV tokens.
-    "llama-3.1-8b-1xh100": EngineConfig(
-        model="meta-llama/Llama-3.1-8B-Instruct",
-        num_gpu_blocks=25_000,
-        cost=CostModel(
-            step_overhead_s=0.0065,
-            prefill_tokens_per_s=30_000.0,
-            decode_step_s=0.0005,
-            decode_s_per_seq=0.00005,
-            # 128 KiB of KV per token at ~3.35 TB/s.
-            attention_s_per_token=3.9e-8,
+        # 1xH100: ~30k prompt tok/s, ~7 ms/token at light load, ~0.4M KV tokens.
+        "llama-3.1-8b-1xh100": EngineConfig(
+            model="meta-llama/Llama-3.1-8B-Instruct",
+            num_gpu_blocks=25_000,
+            cost=CostModel(
+                step_overhead_s=0.0065,
+                prefill_tokens_per_s=30_000.0,
+                decode_step_s=0.0005,
+                decode_s_per_seq=0.00005,
+                # 128 KiB of KV per token at ~3.35 TB/s.
+                attention_s_per_token=3.9e-8,
+            ),
         ),
-    ),
-})
+    }
+)
 
 
 def make_config(profile: str | EngineConfig = DEFAULT_PROFILE, **overrides: Any) -> EngineConfig:

@@ -70,13 +70,17 @@ def build_sequence(
     n_out = params.max_tokens if params.ignore_eos else 1 + (seed >> 3) % params.max_tokens
     output = generate_output(seed, n_out)
     hashes = hash_blocks(
-        prompt + output, block_size=config.block_size,
+        prompt + output,
+        block_size=config.block_size,
         seed=hash_seed(params.model or config.model, params.cache_salt),
     )
     return new_sequence(
-        request_id=request_id, prompt=prompt, output=output,
+        request_id=request_id,
+        prompt=prompt,
+        output=output,
         finish_reason="length" if n_out == params.max_tokens else "stop",
-        arrival_time=arrival_time, hashes=hashes,
+        arrival_time=arrival_time,
+        hashes=hashes,
     )
 
 
@@ -106,7 +110,7 @@ class RequestHandle:
     def output_ids(self) -> list[int]:
         """Tokens generated so far."""
         seq = self.seq
-        return seq.tokens[seq.prompt_len:seq.prompt_len + seq.num_output]
+        return seq.tokens[seq.prompt_len : seq.prompt_len + seq.num_output]
 
     async def wait(self, seen: int) -> None:
         """Return once more than ``seen`` tokens exist or the request is done."""

@@ -48,12 +48,12 @@ def parse_fault(body: bytes) -> Fault:
         modes = ", ".join(m.value for m in FaultMode)
         raise BadRequestError(f"'mode' must be one of {modes}.", param="mode") from None
     latency = data.get("extra_latency_ms", 200.0 if mode is FaultMode.SLOW else 0.0)
-    if isinstance(latency, bool) or not isinstance(latency, int | float) or not (
-        math.isfinite(latency) and latency >= 0
+    if (
+        isinstance(latency, bool)
+        or not isinstance(latency, int | float)
+        or not (math.isfinite(latency) and latency >= 0)
     ):
-        raise BadRequestError(
-            "'extra_latency_ms' must be a number >= 0.", param="extra_latency_ms"
-        )
+        raise BadRequestError("'extra_latency_ms' must be a number >= 0.", param="extra_latency_ms")
     return Fault(mode=mode, extra_latency_ms=float(latency))
 
 

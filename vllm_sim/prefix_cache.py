@@ -41,7 +41,11 @@ def hash_seed(model: str, cache_salt: str | None) -> BlockHash:
 
 
 def hash_blocks(
-    tokens: Sequence[int], *, block_size: int, seed: BlockHash, start_block: int = 0,
+    tokens: Sequence[int],
+    *,
+    block_size: int,
+    seed: BlockHash,
+    start_block: int = 0,
     parent: BlockHash | None = None,
 ) -> list[BlockHash]:
     """Chained hashes of the full blocks of ``tokens`` from ``start_block`` on.
@@ -51,13 +55,13 @@ def hash_blocks(
     n_blocks = len(tokens) // block_size
     if start_block >= n_blocks:
         return []
-    raw = array("Q", tokens[start_block * block_size:n_blocks * block_size]).tobytes()
+    raw = array("Q", tokens[start_block * block_size : n_blocks * block_size]).tobytes()
     step = 8 * block_size
     prev = seed if start_block == 0 or parent is None else parent
     hashes: list[BlockHash] = []
     blake = hashlib.blake2b
     for offset in range(0, len(raw), step):
-        prev = blake(prev + raw[offset:offset + step], digest_size=_DIGEST).digest()
+        prev = blake(prev + raw[offset : offset + step], digest_size=_DIGEST).digest()
         hashes.append(prev)
     return hashes
 

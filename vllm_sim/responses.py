@@ -29,7 +29,13 @@ def response_id(kind: Kind, serial: str) -> str:
 
 
 def full_response(
-    kind: Kind, *, rid: str, created: int, model: str, text: str, finish_reason: str | None,
+    kind: Kind,
+    *,
+    rid: str,
+    created: int,
+    model: str,
+    text: str,
+    finish_reason: str | None,
     usage_body: dict[str, Any],
 ) -> bytes:
     """The non-streaming body of a finished request."""
@@ -45,14 +51,25 @@ def full_response(
         obj = "chat.completion"
     else:
         choice = {
-            "index": 0, "text": text, "logprobs": None, "finish_reason": finish_reason,
-            "stop_reason": None, "prompt_logprobs": None,
+            "index": 0,
+            "text": text,
+            "logprobs": None,
+            "finish_reason": finish_reason,
+            "stop_reason": None,
+            "prompt_logprobs": None,
         }
         obj = "text_completion"
-    return orjson.dumps({
-        "id": rid, "object": obj, "created": created, "model": model,
-        "choices": [choice], "usage": usage_body, "system_fingerprint": None,
-    })
+    return orjson.dumps(
+        {
+            "id": rid,
+            "object": obj,
+            "created": created,
+            "model": model,
+            "choices": [choice],
+            "usage": usage_body,
+            "system_fingerprint": None,
+        }
+    )
 
 
 class ChunkWriter:
@@ -77,11 +94,20 @@ class ChunkWriter:
     def token(self, text: str, finish_reason: str | None) -> bytes:
         choice: dict[str, Any]
         if self._kind == "chat":
-            choice = {"index": 0, "delta": {"content": text}, "logprobs": None,
-                      "finish_reason": finish_reason}
+            choice = {
+                "index": 0,
+                "delta": {"content": text},
+                "logprobs": None,
+                "finish_reason": finish_reason,
+            }
         else:
-            choice = {"index": 0, "text": text, "logprobs": None,
-                      "finish_reason": finish_reason, "stop_reason": None}
+            choice = {
+                "index": 0,
+                "text": text,
+                "logprobs": None,
+                "finish_reason": finish_reason,
+                "stop_reason": None,
+            }
         return self._event({**self._head, "choices": [choice]})
 
     def usage(self, usage_body: dict[str, Any]) -> bytes:

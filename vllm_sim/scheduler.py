@@ -254,8 +254,13 @@ class Scheduler:
 
 
 def new_sequence(
-    *, request_id: str, prompt: SequenceABC[int], output: SequenceABC[int], finish_reason: str,
-    arrival_time: float, hashes: list[BlockHash],
+    *,
+    request_id: str,
+    prompt: SequenceABC[int],
+    output: SequenceABC[int],
+    finish_reason: str,
+    arrival_time: float,
+    hashes: list[BlockHash],
 ) -> Sequence:
     """A waiting sequence whose ``tokens`` are ``prompt + output``."""
     return Sequence(

@@ -99,7 +99,10 @@ def serving(config: EngineConfig, served: Sequence[str]) -> EngineConfig:
 
 
 async def start_instances(
-    *, config: EngineConfig, host: str = "127.0.0.1", ports: Sequence[int],
+    *,
+    config: EngineConfig,
+    host: str = "127.0.0.1",
+    ports: Sequence[int],
     serve: Sequence[Sequence[str]] = (),
 ) -> SimCluster:
     """Start one instance per port in the running loop; returns when all accept requests.
@@ -113,8 +116,12 @@ async def start_instances(
         own = serving(config, serve[index % len(serve)]) if serve else config
         instance = SimInstance(own, name=str(port), engine_index=0)
         uv_config = uvicorn.Config(
-            create_app(instance), lifespan="off", log_config=None, log_level="warning",
-            access_log=False, timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
+            create_app(instance),
+            lifespan="off",
+            log_config=None,
+            log_level="warning",
+            access_log=False,
+            timeout_graceful_shutdown=_GRACEFUL_SHUTDOWN_S,
             timeout_keep_alive=30,
         )
         server = _Server(uv_config)
@@ -139,8 +146,10 @@ async def start_instances(
 
 def ready_line(member: RunningInstance) -> str:
     config = member.instance.config
-    return (f"vllm-sim instance {member.instance.name} ready on {member.url} "
-            f"(model {config.model}, time_scale {config.time_scale:g})")
+    return (
+        f"vllm-sim instance {member.instance.name} ready on {member.url} "
+        f"(model {config.model}, time_scale {config.time_scale:g})"
+    )
 
 
 def resolve_ports(*, base_port: int, count: int, ports: Sequence[int] | None) -> list[int]:
@@ -174,8 +183,9 @@ async def serve_instances(
     for served in serve:
         serving(config, served)  # validate before binding anything
     cluster = await start_instances(
-        config=config, host=host, ports=resolve_ports(base_port=base_port, count=count,
-                                                      ports=ports),
+        config=config,
+        host=host,
+        ports=resolve_ports(base_port=base_port, count=count, ports=ports),
         serve=serve,
     )
     stop = stop if stop is not None else asyncio.Event()

@@ -41,7 +41,12 @@ class TokenStream(Response):
     """``text/event-stream`` of one request's tokens, ending with ``data: [DONE]``."""
 
     def __init__(
-        self, handle: RequestHandle, writer: ChunkWriter, *, chat: bool, include_usage: bool,
+        self,
+        handle: RequestHandle,
+        writer: ChunkWriter,
+        *,
+        chat: bool,
+        include_usage: bool,
         abort: Callable[[], None],
     ) -> None:
         self.status_code = 200
@@ -60,8 +65,7 @@ class TokenStream(Response):
         handle, writer = self._handle, self._writer
         watcher = watch_disconnect(receive, self._abort)
         try:
-            await send({"type": "http.response.start", "status": 200,
-                        "headers": self.raw_headers})
+            await send({"type": "http.response.start", "status": 200, "headers": self.raw_headers})
             events: list[bytes] = [writer.role()] if self._chat else []
             sent = 0
             while True:
@@ -78,17 +82,22 @@ class TokenStream(Response):
                 sent = ready
                 if handle.done:
                     break
-                await send({"type": "http.response.body", "body": b"".join(events),
-                            "more_body": True})
+                await send(
+                    {"type": "http.response.body", "body": b"".join(events), "more_body": True}
+                )
                 events.clear()
             if handle.aborted:
-                events.append(error_event("The request was aborted (the instance is stopping).",
-                                          err_type="ServiceUnavailableError", code=503))
+                events.append(
+                    error_event(
+                        "The request was aborted (the instance is stopping).",
+                        err_type="ServiceUnavailableError",
+                        code=503,
+                    )
+                )
             elif self._include_usage:
                 events.append(writer.usage(usage_of(handle)))
             events.append(DONE)
-            await send({"type": "http.response.body", "body": b"".join(events),
-                        "more_body": False})
+            await send({"type": "http.response.body", "body": b"".join(events), "more_body": False})
         except OSError:
             self._abort()
         finally:

@@ -41,11 +41,11 @@ def tokenize_bytes(data: bytes) -> list[int]:
     operation per token. A short tail of ``k`` bytes gets ``k << 32 | value``.
     """
     full = len(data) // TOKEN_BYTES
-    chunks = array("I", data[:full * TOKEN_BYTES])
+    chunks = array("I", data[: full * TOKEN_BYTES])
     if not _LITTLE:
         chunks.byteswap()
     tokens = chunks.tolist()
-    tail = data[full * TOKEN_BYTES:]
+    tail = data[full * TOKEN_BYTES :]
     if tail:
         tokens.append((len(tail) << 32) | int.from_bytes(tail, "little"))
     return tokens

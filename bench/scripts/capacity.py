@@ -41,8 +41,7 @@ prompts need ~1,000 requests to all appear once) and each instance's cache has t
 so the 2,500 measured are in steady state (prefix-spill, system prompts at 30 requests/s:
 89.6% hit rate and P99 1,070 ms in the window, 90.0% and 1,047 ms in a 9,000-request run;
 2,000-request runs measured the warm-up and failed)."""
-MULTI_TURN = ["--run-requests", "3000", "--min-duration", "100", "--warmup", "0.5",
-              "--seeds", "2"]
+MULTI_TURN = ["--run-requests", "3000", "--min-duration", "100", "--warmup", "0.5", "--seeds", "2"]
 """At least 100 s of new conversations, the first half not measured (conversations with the
 think times of :data:`THINK` live ~30-40 s), two seeds: at the knees of chat (~200
 requests/s) a run is 20,000 requests, 10,000 measured."""
@@ -50,8 +49,11 @@ requests/s) a run is 20,000 requests, 10,000 measured."""
 
 def scaled(workload: str) -> list[str]:
     """The workload as bench/scripts/routing_defaults.py sizes it for these instances."""
-    return [arg for k, v in {**SCALE.get(workload, {}), **THINK.get(workload, {})}.items()
-            for arg in ("--set", f"{k}={v}")]
+    return [
+        arg
+        for k, v in {**SCALE.get(workload, {}), **THINK.get(workload, {})}.items()
+        for arg in ("--set", f"{k}={v}")
+    ]
 
 
 WORKLOADS: dict[str, list[str]] = {
@@ -97,9 +99,24 @@ def sweep(chosen: list[str], jobs: int, policies: str) -> None:
         if name not in KNOWN:
             print(f"- {name}: not in bench/workloads.py yet, skipped", flush=True)
             continue
-        run(["capacity", "--workload", name, *scaled(name), *FLEET, *WORKLOADS[name],
-             "--jobs", str(jobs), "--policies", policies, "--fleet-policies", FLEET_POLICIES,
-             "--out", str(OUT)])
+        run(
+            [
+                "capacity",
+                "--workload",
+                name,
+                *scaled(name),
+                *FLEET,
+                *WORKLOADS[name],
+                "--jobs",
+                str(jobs),
+                "--policies",
+                policies,
+                "--fleet-policies",
+                FLEET_POLICIES,
+                "--out",
+                str(OUT),
+            ]
+        )
     print(f"sweep: {time.monotonic() - began:.0f} s wall", flush=True)
 
 
@@ -107,14 +124,45 @@ def live() -> None:
     """prefix-spill's knee on two instances in the DES, then that rate through the real
     stack and again in the DES with the same seed; both judged on the same window as the
     search judges a run (``live.md``), and report.md's DES-vs-live table."""
-    run(["capacity", "--workload", LIVE_WORKLOAD, *LIVE_WORKLOAD_ARGS, *LIVE_FLEET,
-         "--policies", "prefix-spill", "--run-requests", str(LIVE_REQUESTS), "--warmup", "0.5",
-         "--start", "8", "--fleet-load", "0", "--out", str(KNEE)])
+    run(
+        [
+            "capacity",
+            "--workload",
+            LIVE_WORKLOAD,
+            *LIVE_WORKLOAD_ARGS,
+            *LIVE_FLEET,
+            "--policies",
+            "prefix-spill",
+            "--run-requests",
+            str(LIVE_REQUESTS),
+            "--warmup",
+            "0.5",
+            "--start",
+            "8",
+            "--fleet-load",
+            "0",
+            "--out",
+            str(KNEE),
+        ]
+    )
     saved = orjson.loads((KNEE / f"{LIVE_WORKLOAD}.json").read_bytes())
     knee = saved["capacities"][0]["search"]["lo"]
-    same = ["--workload", LIVE_WORKLOAD, *LIVE_WORKLOAD_ARGS, *LIVE_FLEET,
-            "--policies", "prefix-spill", "--rate", f"{knee:g}",
-            "--requests", str(LIVE_REQUESTS), "--seed", "1", "--out", str(LIVE)]
+    same = [
+        "--workload",
+        LIVE_WORKLOAD,
+        *LIVE_WORKLOAD_ARGS,
+        *LIVE_FLEET,
+        "--policies",
+        "prefix-spill",
+        "--rate",
+        f"{knee:g}",
+        "--requests",
+        str(LIVE_REQUESTS),
+        "--seed",
+        "1",
+        "--out",
+        str(LIVE),
+    ]
     run(["des", *same])
     run(["run", *same, "--time-scale", LIVE_TIME_SCALE, "--ext-procs", "1"])
     compare(knee)
@@ -133,33 +181,47 @@ def compare(rate: float) -> None:
         probe = measure(result, (0.5 * last, last), Objective(), rate=rate, instances=2, seed=1)
         rows.append((mode, probe, result))
     (des, d, _), (_, v, live_result) = rows
-    lines = [f"# Live vs DES at prefix-spill's knee ({rate:g} requests/s, 2 instances)", "",
-             f"`bench/scripts/capacity.py live`: {LIVE_WORKLOAD} ({' '.join(LIVE_WORKLOAD_ARGS)}),"
-             f" {LIVE_REQUESTS} requests, seed 1, live at time scale {LIVE_TIME_SCALE}; both "
-             "judged on the second half of the arrivals, as the capacity search judges a run.",
-             "", "| measure | DES | live | live / DES |", "|---|---|---|---|"]
-    for name, a, b in (("TTFT P50 ms", d.p50_s * 1000, v.p50_s * 1000),
-                       ("TTFT P99 ms", d.p99_s * 1000, v.p99_s * 1000),
-                       ("hit rate", d.hit_rate, v.hit_rate),
-                       ("goodput req/s", d.goodput_rps, v.goodput_rps),
-                       ("output tok/s", d.goodput_tps, v.goodput_tps)):
+    lines = [
+        f"# Live vs DES at prefix-spill's knee ({rate:g} requests/s, 2 instances)",
+        "",
+        f"`bench/scripts/capacity.py live`: {LIVE_WORKLOAD} ({' '.join(LIVE_WORKLOAD_ARGS)}),"
+        f" {LIVE_REQUESTS} requests, seed 1, live at time scale {LIVE_TIME_SCALE}; both "
+        "judged on the second half of the arrivals, as the capacity search judges a run.",
+        "",
+        "| measure | DES | live | live / DES |",
+        "|---|---|---|---|",
+    ]
+    for name, a, b in (
+        ("TTFT P50 ms", d.p50_s * 1000, v.p50_s * 1000),
+        ("TTFT P99 ms", d.p99_s * 1000, v.p99_s * 1000),
+        ("hit rate", d.hit_rate, v.hit_rate),
+        ("goodput req/s", d.goodput_rps, v.goodput_rps),
+        ("output tok/s", d.goodput_tps, v.goodput_tps),
+    ):
         lines.append(f"| {name} | {a:,.3g} | {b:,.3g} | {b / a:.2f} |")
-    lines += ["", f"Objective met: DES {d.passed}, live {v.passed}; live errors "
-              f"{live_result.errors}.", ""]
+    lines += [
+        "",
+        f"Objective met: DES {d.passed}, live {v.passed}; live errors {live_result.errors}.",
+        "",
+    ]
     out = OUT / "live.md"
     out.write_text("\n".join(lines))
     print(out.read_text())
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("part", choices=("sweep", "live", "compare", "report"))
     parser.add_argument("--rate", type=float, help="compare: the knee the live run used")
     parser.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated workloads")
     parser.add_argument("--jobs", type=int, default=2, help="policies searched at once")
-    parser.add_argument("--policies", default="all", help="e.g. cache-aware: add one policy "
-                        "to saved results (the others are kept)")
+    parser.add_argument(
+        "--policies",
+        default="all",
+        help="e.g. cache-aware: add one policy to saved results (the others are kept)",
+    )
     args = parser.parse_args()
     if args.part == "sweep":
         sweep([w for w in args.only.split(",") if w], args.jobs, args.policies)

@@ -108,8 +108,10 @@ def measure(variant: str, streams: int, rounds: int) -> list[str]:
         for i in range(1, rounds + 1):
             asyncio.run(drive(port, variant, streams))
             grown = (rss().rss - base) / 2**20
-            rows.append(f"| {variant} | {i * streams:,} | {grown:+.2f} | "
-                        f"{grown * 2**20 / (i * streams):.1f} | {time.monotonic() - started:.0f} |")
+            rows.append(
+                f"| {variant} | {i * streams:,} | {grown:+.2f} | "
+                f"{grown * 2**20 / (i * streams):.1f} | {time.monotonic() - started:.0f} |"
+            )
             print(rows[-1], flush=True)
         return rows
     finally:
@@ -125,18 +127,35 @@ def _start_behind_envoy(
     started: list[ManagedProcess] = []
     try:
         ports = [free_port() for _ in range(3)]
-        started.append(start_module("backends", "tests.support.echo_backend",
-                                    [str(p) for p in ports], logs, ready_ports=ports))
+        started.append(
+            start_module(
+                "backends",
+                "tests.support.echo_backend",
+                [str(p) for p in ports],
+                logs,
+                ready_ports=ports,
+            )
+        )
         ep_port, metrics_port = free_port(), free_port()
         ext_proc = start_ext_proc(
-            ep_port, logs,
-            args=[*(a for p in ports for a in ("--backend", f"127.0.0.1:{p}")),
-                  "--transport", transport, "--metrics-port", str(metrics_port)],
+            ep_port,
+            logs,
+            args=[
+                *(a for p in ports for a in ("--backend", f"127.0.0.1:{p}")),
+                "--transport",
+                transport,
+                "--metrics-port",
+                str(metrics_port),
+            ],
             env={"LD_PRELOAD": preload} if preload else None,
         )
         started.append(ext_proc)
-        params = BootstrapParams(listen_port=free_port(), admin_port=free_port(),
-                                 ext_proc=(("127.0.0.1", ep_port),), graceful_close=graceful)
+        params = BootstrapParams(
+            listen_port=free_port(),
+            admin_port=free_port(),
+            ext_proc=(("127.0.0.1", ep_port),),
+            graceful_close=graceful,
+        )
         fleet = Fleet.of([Instance("127.0.0.1", p) for p in ports])
         started.append(start_envoy(params, RouterConfig(), logs, fleet=fleet, concurrency=2))
     except BaseException:
@@ -164,8 +183,12 @@ def _stream_ends(metrics_port: int, admin_port: int) -> str:
 
 
 def through_envoy(
-    rounds: int, seconds: int, preload: str | None = None, *,
-    ends: tuple[str, ...] = ("graceful",), transport: str = "http2",
+    rounds: int,
+    seconds: int,
+    preload: str | None = None,
+    *,
+    ends: tuple[str, ...] = ("graceful",),
+    transport: str = "http2",
 ) -> None:
     """ext_proc's RSS per round behind Envoy, one stack per way of ending streams
     (``graceful``: half-close; ``reset``: the runtime flag off). With two, their rounds
@@ -186,11 +209,15 @@ def through_envoy(
             print(f"| {end} | 0 | 0 | {rss[end]().rss / 2**20:.2f} | 0 |", flush=True)
         for i in range(1, rounds + 1):
             for end in ends:
-                result = run_wrk(stacks[end][1], chat_body(1024), connections=16, threads=2,
-                                 seconds=seconds)
+                result = run_wrk(
+                    stacks[end][1], chat_body(1024), connections=16, threads=2, seconds=seconds
+                )
                 total[end] += int(result["rps"] * seconds)
-                print(f"| {end} | {i} | {total[end]:,} | {rss[end]().rss / 2**20:.2f} | "
-                      f"{int(result['errors'])} |", flush=True)
+                print(
+                    f"| {end} | {i} | {total[end]:,} | {rss[end]().rss / 2**20:.2f} | "
+                    f"{int(result['errors'])} |",
+                    flush=True,
+                )
         for end, stack in stacks.items():
             print(f"{end}: {_stream_ends(stack[3], stack[4])}")
     finally:
@@ -200,30 +227,44 @@ def through_envoy(
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("part", choices=("envoy", "grpc"))
     parser.add_argument("--rounds", type=int, help="rounds (envoy: 24, grpc: 4)")
     parser.add_argument("--seconds", type=int, default=30, help="envoy: seconds per round")
     parser.add_argument("--variants", default="sleep,return,clean", help="grpc: stream ends")
     parser.add_argument("--streams", type=int, default=25_000, help="grpc: streams per round")
     parser.add_argument("--preload", help="envoy: LD_PRELOAD for ext_proc (an allocator)")
-    parser.add_argument("--ends", default="graceful",
-                        help="envoy: how Envoy ends ext_proc streams, comma-separated: "
-                        "graceful (half-close, our bootstrap) and/or reset (flag off)")
-    parser.add_argument("--transport", default="http2", choices=("http2", "grpcio"),
-                        help="envoy: ext_proc's gRPC server")
+    parser.add_argument(
+        "--ends",
+        default="graceful",
+        help="envoy: how Envoy ends ext_proc streams, comma-separated: "
+        "graceful (half-close, our bootstrap) and/or reset (flag off)",
+    )
+    parser.add_argument(
+        "--transport",
+        default="http2",
+        choices=("http2", "grpcio"),
+        help="envoy: ext_proc's gRPC server",
+    )
     parser.add_argument("--serve", help=argparse.SUPPRESS)
     parser.add_argument("--port", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args()
     if args.serve:
         asyncio.run(serve(args.serve, args.port))
     elif args.part == "envoy":
-        through_envoy(args.rounds or 24, args.seconds, args.preload,
-                      ends=tuple(args.ends.split(",")), transport=args.transport)
+        through_envoy(
+            args.rounds or 24,
+            args.seconds,
+            args.preload,
+            ends=tuple(args.ends.split(",")),
+            transport=args.transport,
+        )
     else:
-        print("| stream end | streams after warm-up | server RSS growth MB | bytes per stream "
-              "| s |")
+        print(
+            "| stream end | streams after warm-up | server RSS growth MB | bytes per stream | s |"
+        )
         print("|---|---|---|---|---|")
         for variant in args.variants.split(","):
             measure(variant, args.streams, args.rounds or 4)

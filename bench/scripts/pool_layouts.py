@@ -73,8 +73,10 @@ def config_sizes(instances: int) -> None:
         size = sum(a.ByteSize() for by in snapshot.resources.values() for a in by.values())
         clusters = len(snapshot.resources[next(iter(snapshot.resources))])
         pools = models * (1 + adapters)
-        print(f"  {pools:3d} pools ({models} models x {adapters} adapters): "
-              f"{size:7d} bytes, {clusters} clusters")
+        print(
+            f"  {pools:3d} pools ({models} models x {adapters} adapters): "
+            f"{size:7d} bytes, {clusters} clusters"
+        )
     plain = Fleet.of([Instance("10.0.0.1", 8000 + n) for n in range(instances)])
     size = sum(
         a.ByteSize()

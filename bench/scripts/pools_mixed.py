@@ -26,8 +26,10 @@ MIX = {
     "base-a": 0.35,
     "base-b": 0.35,
     # adapters of base-a, Zipf popularity (1, 1/2, 1/3, 1/4) sharing the rest
-    **{name: 0.30 * (1 / (n + 1)) / sum(1 / (k + 1) for k in range(4))
-       for n, name in enumerate(ADAPTERS)},
+    **{
+        name: 0.30 * (1 / (n + 1)) / sum(1 / (k + 1) for k in range(4))
+        for n, name in enumerate(ADAPTERS)
+    },
 }
 SERVE = [
     ["base-a", "a-lora-0", "a-lora-1"],
@@ -53,19 +55,26 @@ def main() -> None:
     workload = generate(args.workload, {"requests": args.requests, "rate": args.rate})
     overrides = {"num_gpu_blocks": args.num_gpu_blocks} if args.num_gpu_blocks else {}
     engine = make_config("llama-3.1-70b-8xh100", **overrides)
-    print(f"{workload.name}, {args.requests} requests at {args.rate}/s, {args.instances} "
-          f"instances; mix {', '.join(f'{m} {w:.2f}' for m, w in MIX.items())}")
-    print(f"{'policy':15s} {'hit rate':>9s} {'pool LRU bound':>15s} {'of bound':>9s} "
-          f"{'TTFT p50':>9s} {'TTFT p99':>9s} {'errors':>7s}")
+    print(
+        f"{workload.name}, {args.requests} requests at {args.rate}/s, {args.instances} "
+        f"instances; mix {', '.join(f'{m} {w:.2f}' for m, w in MIX.items())}"
+    )
+    print(
+        f"{'policy':15s} {'hit rate':>9s} {'pool LRU bound':>15s} {'of bound':>9s} "
+        f"{'TTFT p50':>9s} {'TTFT p99':>9s} {'errors':>7s}"
+    )
     for policy in parse_policies(args.policies):
-        settings = DesSettings(policy=policy, engine=engine, router=RouterConfig(),
-                               instances=args.instances)
+        settings = DesSettings(
+            policy=policy, engine=engine, router=RouterConfig(), instances=args.instances
+        )
         result = PooledSimulation(workload, settings, serve=SERVE, mix=MIX).run()
         bound = result.bounds.fleet_lru if result.bounds else 0.0
         share = result.hit_rate / bound if bound else 0.0
-        print(f"{policy.value:15s} {result.hit_rate:9.1%} {bound:15.1%} {share:9.1%} "
-              f"{1000 * result.ttft(50):7.0f}ms {1000 * result.ttft(99):7.0f}ms "
-              f"{result.errors:7d}")
+        print(
+            f"{policy.value:15s} {result.hit_rate:9.1%} {bound:15.1%} {share:9.1%} "
+            f"{1000 * result.ttft(50):7.0f}ms {1000 * result.ttft(99):7.0f}ms "
+            f"{result.errors:7d}"
+        )
 
 
 if __name__ == "__main__":

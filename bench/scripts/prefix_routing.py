@@ -45,19 +45,51 @@ POLICIES = {w: "all,prefix-fixed" for w in WORKLOADS}
 rule, with today's decision) shows what the longest-prefix key adds."""
 
 LARGE_RUN = [
-    "--workload", "rag", "--instances", "128", "--num-gpu-blocks", "8192",
-    "--concurrency-threshold", "16", "--requests", "100000", "--rate", "64",
-    "--set", "docs=3072", "--resize", "500:+32,1000:-32", "--window", "20",
-    "--policies", "round-robin,prefix,prefix-spill,prefix-fixed",
+    "--workload",
+    "rag",
+    "--instances",
+    "128",
+    "--num-gpu-blocks",
+    "8192",
+    "--concurrency-threshold",
+    "16",
+    "--requests",
+    "100000",
+    "--rate",
+    "64",
+    "--set",
+    "docs=3072",
+    "--resize",
+    "500:+32,1000:-32",
+    "--window",
+    "20",
+    "--policies",
+    "round-robin,prefix,prefix-spill,prefix-fixed",
 ]
 """128 instances, 3,072 documents (24 per instance), 100k requests; 32 instances join at
 500 s and 32 random ones leave at 1,000 s."""
 
 LARGEST_RUN = [
-    "--workload", "rag", "--instances", "256", "--num-gpu-blocks", "8192",
-    "--concurrency-threshold", "16", "--requests", "100000", "--rate", "128",
-    "--set", "docs=6144", "--resize", "300:+64,550:-64", "--window", "10",
-    "--policies", "round-robin,prefix-spill,prefix-fixed",
+    "--workload",
+    "rag",
+    "--instances",
+    "256",
+    "--num-gpu-blocks",
+    "8192",
+    "--concurrency-threshold",
+    "16",
+    "--requests",
+    "100000",
+    "--rate",
+    "128",
+    "--set",
+    "docs=6144",
+    "--resize",
+    "300:+64,550:-64",
+    "--window",
+    "10",
+    "--policies",
+    "round-robin,prefix-spill,prefix-fixed",
 ]
 """256 instances, the same per-instance load and working set, 64 join and 64 leave."""
 
@@ -70,20 +102,45 @@ def run(args: list[str]) -> None:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("part", choices=("live", "des", "des-large", "report"))
     parser.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated workloads")
     args = parser.parse_args()
     chosen = [w for w in args.only.split(",") if w]
     if args.part == "live":
         for name in chosen:
-            run(["run", "--workload", name, *FLEET, *WORKLOADS[name], "--time-scale", "1",
-                 "--policies", POLICIES.get(name, "all"), "--out", str(OUT)])
+            run(
+                [
+                    "run",
+                    "--workload",
+                    name,
+                    *FLEET,
+                    *WORKLOADS[name],
+                    "--time-scale",
+                    "1",
+                    "--policies",
+                    POLICIES.get(name, "all"),
+                    "--out",
+                    str(OUT),
+                ]
+            )
     elif args.part == "des":
         for name in chosen:
-            run(["des", "--workload", name, *FLEET, *WORKLOADS[name],
-                 "--policies", POLICIES.get(name, "all"), "--out", str(OUT)])
+            run(
+                [
+                    "des",
+                    "--workload",
+                    name,
+                    *FLEET,
+                    *WORKLOADS[name],
+                    "--policies",
+                    POLICIES.get(name, "all"),
+                    "--out",
+                    str(OUT),
+                ]
+            )
     elif args.part == "des-large":
         run(["des", *LARGE_RUN, "--out", str(LARGE)])
         run(["des", *LARGEST_RUN, "--out", str(LARGEST)])

@@ -58,8 +58,12 @@ FIXED_LENGTHS = (1024, 4096, 8192, 16384, 32768)
 OLD = "e67dc7e"
 """The round-1 router (fixed 1 KiB key, threshold on requests in flight)."""
 
-SCALE = {"system-prompt": {"prompts": 168}, "rag": {"docs": 336}, "code": {"files": 168},
-         "hot-prefix": {"prompts": 168}}
+SCALE = {
+    "system-prompt": {"prompts": 168},
+    "rag": {"docs": 336},
+    "code": {"files": 168},
+    "hot-prefix": {"prompts": 168},
+}
 """The six older workloads were sized for instances of 131K KV tokens; here each holds
 460K (3.5x), so their pools of prompts, documents and files are 3.5x larger: what one
 instance can cache relative to the working set stays as it was (otherwise every instance
@@ -83,12 +87,23 @@ fast conversations arrive (all 800 / 1,100 conversations at once: the instances 
 busy decoding ~100 answers each, and a step's decode time, not prefill, sets the pace),
 so they run near that ceiling."""
 
-REQUESTS = {"system-prompt": 3000, "rag": 3000, "chat": 6000, "code": 3000, "unique": 2000,
-            "hot-prefix": 3000, "long-system-chat": 4800, "trace-like": 6000}
+REQUESTS = {
+    "system-prompt": 3000,
+    "rag": 3000,
+    "chat": 6000,
+    "code": 3000,
+    "unique": 2000,
+    "hot-prefix": 3000,
+    "long-system-chat": 4800,
+    "trace-like": 6000,
+}
 """Requests per run (group-prompts: its 2,048)."""
 
-THINK = {"chat": {"think_mean_s": 2.0}, "long-system-chat": {"think_mean_s": 2.0},
-         "trace-like": {"think_mean_s": 4.0}}
+THINK = {
+    "chat": {"think_mean_s": 2.0},
+    "long-system-chat": {"think_mean_s": 2.0},
+    "trace-like": {"think_mean_s": 4.0},
+}
 """Conversations with their default think times (10-20 s) send a turn every 15-30 s, and
 the fleet is busy only with many at once: 600 conversations of long-system-chat kept these
 8 instances at most 17% busy however fast they arrived, 1,600 chats (9,000 requests) at
@@ -96,8 +111,16 @@ most 35% (measured over the whole span of arrivals). Shorter think times reach 5
 with runs the machine can afford (800 conversations of 6 turns, ~1,100 chats); the caches
 are large enough that a turn's wait changes nothing else."""
 
-SHARED = ("system-prompt", "rag", "chat", "code", "hot-prefix", "long-system-chat",
-          "trace-like", "group-prompts")
+SHARED = (
+    "system-prompt",
+    "rag",
+    "chat",
+    "code",
+    "hot-prefix",
+    "long-system-chat",
+    "trace-like",
+    "group-prompts",
+)
 """Workloads whose requests share prefixes (the hit-rate goal applies)."""
 P50_GOAL = ("long-system-chat", "rag", "trace-like", "system-prompt", "group-prompts")
 """Where shared prefixes are most of the prompt: P50 TTFT <= 0.3 x round robin's."""
@@ -119,8 +142,10 @@ VARIANTS = (
     Variant("cache-aware", "cache-aware"),
     Variant("prefix", "prefix"),
     Variant("prefix-spill", "prefix-spill"),
-    *(Variant(f"fixed-{n}", "prefix-spill", {"prefix_match": "fixed", "prefix_length": n})
-      for n in FIXED_LENGTHS),
+    *(
+        Variant(f"fixed-{n}", "prefix-spill", {"prefix_match": "fixed", "prefix_length": n})
+        for n in FIXED_LENGTHS
+    ),
 )
 """``fixed-1024`` is ``prefix-fixed`` (the defaults with a fixed 1 KiB key)."""
 
@@ -133,18 +158,26 @@ def overrides(workload: str, rate: float, requests: int | None = None) -> dict[s
     return out
 
 
-def simulate_one(workload: str, rate: float, variant: Variant,
-                 requests: int | None = None) -> dict[str, Any]:
+def simulate_one(
+    workload: str, rate: float, variant: Variant, requests: int | None = None
+) -> dict[str, Any]:
     """One run's figures (see :func:`figures`)."""
     engine = make_config(num_gpu_blocks=NUM_GPU_BLOCKS, prefill_tokens_per_s=PREFILL_TOKENS_PER_S)
     router = RouterConfig().patched(dict(variant.router)) if variant.router else RouterConfig()
-    settings = DesSettings(policy=Policy(variant.policy), engine=engine, router=router,
-                           instances=INSTANCES)
+    settings = DesSettings(
+        policy=Policy(variant.policy), engine=engine, router=router, instances=INSTANCES
+    )
     started = time.perf_counter()
     result = simulate(generate(workload, overrides(workload, rate, requests)), settings)
     out = figures(result)
-    out.update(workload=workload, label=variant.label, policy=variant.policy,
-               router=dict(variant.router), rate=rate, cpu_s=time.perf_counter() - started)
+    out.update(
+        workload=workload,
+        label=variant.label,
+        policy=variant.policy,
+        router=dict(variant.router),
+        rate=rate,
+        cpu_s=time.perf_counter() - started,
+    )
     return out
 
 
@@ -152,8 +185,9 @@ def figures(result: RunResult) -> dict[str, Any]:
     ok = result.ok
     arrivals = sorted(r.arrival_s for r in result.records)
     start, end = arrivals[len(arrivals) // 20], arrivals[-len(arrivals) // 20]
-    computed = sum(r.prompt_tokens - (r.cached_tokens or 0) for r in ok
-                   if start <= r.arrival_s <= end)
+    computed = sum(
+        r.prompt_tokens - (r.cached_tokens or 0) for r in ok if start <= r.arrival_s <= end
+    )
     shares = [i.requests for i in result.instances]
     bounds = result.bounds
     return {
@@ -178,11 +212,13 @@ def save(out: Path, row: dict[str, Any]) -> None:
     path = run_path(out, row["workload"], row["label"])
     path.parent.mkdir(parents=True, exist_ok=True)
     path.write_text(json.dumps(row, indent=1) + "\n")
-    print(f"{row['workload']:>16} {row['label']:>14}: hit {row['hit_rate']:.3f} "
-          f"(LRU {row['fleet_lru']:.3f}) P50 {row['ttft_p50_s'] * 1000:.0f} ms "
-          f"P99 {row['ttft_p99_s'] * 1000:.0f} ms share {row['max_share']:.2f} "
-          f"busy {row['prefill_busy']:.2f} errors {row['errors']} ({row['cpu_s']:.0f} s)",
-          flush=True)
+    print(
+        f"{row['workload']:>16} {row['label']:>14}: hit {row['hit_rate']:.3f} "
+        f"(LRU {row['fleet_lru']:.3f}) P50 {row['ttft_p50_s'] * 1000:.0f} ms "
+        f"P99 {row['ttft_p99_s'] * 1000:.0f} ms share {row['max_share']:.2f} "
+        f"busy {row['prefill_busy']:.2f} errors {row['errors']} ({row['cpu_s']:.0f} s)",
+        flush=True,
+    )
 
 
 def calibrate(workload: str, rate: float, requests: int | None) -> float:
@@ -229,17 +265,31 @@ def goals(workload: str, runs: Mapping[str, dict[str, Any]], label: str) -> list
     best = best_fixed(runs)
     ratio = r["hit_rate"] / r["fleet_lru"] if r["fleet_lru"] else float("nan")
     out: list[Goal] = [
-        ("hit >= 0.95 x fleet-LRU", ratio >= 0.95 if workload in SHARED else None,
-         f"{r['hit_rate']:.3f} / {r['fleet_lru']:.3f} = {ratio:.2f}"),
-        ("P50 <= 0.3 x RR", r["ttft_p50_s"] <= 0.3 * rr["ttft_p50_s"]
-         if workload in P50_GOAL else None,
-         f"{r['ttft_p50_s'] / rr['ttft_p50_s']:.2f} x RR"),
-        ("P50 <= best fixed key", round(r["ttft_p50_s"], 3) <= round(best["ttft_p50_s"], 3),
-         f"{_ms(r['ttft_p50_s'])} vs {_ms(best['ttft_p50_s'])} ({best['label']})"),
-        ("P99 <= RR", r["ttft_p99_s"] <= rr["ttft_p99_s"],
-         f"{_ms(r['ttft_p99_s'])} vs {_ms(rr['ttft_p99_s'])}"),
-        ("max share <= 1.25", r["max_share"] <= 1.25 if workload not in ONE_PREFIX_EXCEEDS
-         else None, f"{r['max_share']:.2f}"),
+        (
+            "hit >= 0.95 x fleet-LRU",
+            ratio >= 0.95 if workload in SHARED else None,
+            f"{r['hit_rate']:.3f} / {r['fleet_lru']:.3f} = {ratio:.2f}",
+        ),
+        (
+            "P50 <= 0.3 x RR",
+            r["ttft_p50_s"] <= 0.3 * rr["ttft_p50_s"] if workload in P50_GOAL else None,
+            f"{r['ttft_p50_s'] / rr['ttft_p50_s']:.2f} x RR",
+        ),
+        (
+            "P50 <= best fixed key",
+            round(r["ttft_p50_s"], 3) <= round(best["ttft_p50_s"], 3),
+            f"{_ms(r['ttft_p50_s'])} vs {_ms(best['ttft_p50_s'])} ({best['label']})",
+        ),
+        (
+            "P99 <= RR",
+            r["ttft_p99_s"] <= rr["ttft_p99_s"],
+            f"{_ms(r['ttft_p99_s'])} vs {_ms(rr['ttft_p99_s'])}",
+        ),
+        (
+            "max share <= 1.25",
+            r["max_share"] <= 1.25 if workload not in ONE_PREFIX_EXCEEDS else None,
+            f"{r['max_share']:.2f}",
+        ),
         ("no errors", r["errors"] == 0, str(r["errors"])),
     ]
     return out
@@ -253,29 +303,41 @@ def _verdict(ok: bool | None) -> str:
     return "n/a" if ok is None else ("PASS" if ok else "**FAIL**")
 
 
-COLUMNS = ("round-robin", "least-request", "cache-aware", "prefix", "prefix-spill",
-           "fixed-1024", "best-fixed", OLD)
+COLUMNS = (
+    "round-robin",
+    "least-request",
+    "cache-aware",
+    "prefix",
+    "prefix-spill",
+    "fixed-1024",
+    "best-fixed",
+    OLD,
+)
 
 
 def report(out: Path) -> Path:
     rows = load(out)
     order = [w for w in RATES if w in rows]
     lines = [
-        "# Routing with its defaults (issue 23, items 3 and 4)", "",
+        "# Routing with its defaults (issue 23, items 3 and 4)",
+        "",
         f"Discrete-event simulation (bench/des.py) of {INSTANCES} Llama-3.1-70B-like instances: "
         f"{NUM_GPU_BLOCKS:,} KV blocks of 16 tokens (460K tokens) each, "
         f"{PREFILL_TOKENS_PER_S:,.0f} prompt tokens/s, ~20 ms per decode step. "
         "Every router with its defaults; nothing tuned per workload. "
         "Reproduce: `flock /tmp/prefix-router-heavy.lock python "
-        "bench/scripts/routing_defaults.py run` (see bench/README.md).", "",
+        "bench/scripts/routing_defaults.py run` (see bench/README.md).",
+        "",
         "Columns: `prefix-spill` is the product's defaults; `prefix` the same without spill; "
         "`fixed-1024` the defaults with a fixed 1 KiB key (`prefix-fixed`); `best-fixed` the "
         "fixed key of 1, 4, 8, 16 or 32 KiB with the lowest P50 TTFT on that workload (the "
         "hand-tuned key); `cache-aware` SGLang model gateway's cache_aware policy with its "
         f"defaults (bench/cache_aware.py); `{OLD}` the round-1 router's prefix-spill (fixed "
         f"1 KiB key, ConcurrencyThreshold 16 counting requests in flight), run from a worktree "
-        f"of commit {OLD} on the same workloads and rates.", "",
-        "## Rates", "",
+        f"of commit {OLD} on the same workloads and rates.",
+        "",
+        "## Rates",
+        "",
         "| workload | requests | rate (req/s) | RR prefill busy | in 55-65% |",
         "|---|---|---|---|---|",
     ]
@@ -284,12 +346,16 @@ def report(out: Path) -> Path:
         if rr:
             b = rr["prefill_busy"]
             inside = BUSY_TARGET[0] <= b <= BUSY_TARGET[1]
-            lines.append(f"| {w} | {rr['requests']} | {rr['rate']:g} | {b:.1%} | "
-                         f"{'yes' if inside else '**no**'} |")
+            lines.append(
+                f"| {w} | {rr['requests']} | {rr['rate']:g} | {b:.1%} | "
+                f"{'yes' if inside else '**no**'} |"
+            )
     metrics: list[tuple[str, Callable[[dict[str, Any], dict[str, Any]], str]]] = [
         ("token hit rate", lambda r, _: f"{r['hit_rate']:.3f}"),
-        ("hit / fleet-LRU bound", lambda r, _: f"{r['hit_rate'] / r['fleet_lru']:.2f}"
-         if r["fleet_lru"] else "n/a"),
+        (
+            "hit / fleet-LRU bound",
+            lambda r, _: f"{r['hit_rate'] / r['fleet_lru']:.2f}" if r["fleet_lru"] else "n/a",
+        ),
         ("P50 TTFT", lambda r, _: _ms(r["ttft_p50_s"])),
         ("P50 / RR", lambda r, rr: f"{r['ttft_p50_s'] / rr['ttft_p50_s']:.2f}"),
         ("P99 TTFT", lambda r, _: _ms(r["ttft_p99_s"])),
@@ -297,9 +363,14 @@ def report(out: Path) -> Path:
         ("max share / mean", lambda r, _: f"{r['max_share']:.2f}"),
         ("errors", lambda r, _: str(r["errors"])),
     ]
-    summary: dict[str, Any] = {"settings": {
-        "instances": INSTANCES, "num_gpu_blocks": NUM_GPU_BLOCKS,
-        "prefill_tokens_per_s": PREFILL_TOKENS_PER_S}, "workloads": {}}
+    summary: dict[str, Any] = {
+        "settings": {
+            "instances": INSTANCES,
+            "num_gpu_blocks": NUM_GPU_BLOCKS,
+            "prefill_tokens_per_s": PREFILL_TOKENS_PER_S,
+        },
+        "workloads": {},
+    }
     verdicts: list[str] = []
     for w in order:
         runs = dict(rows[w])
@@ -308,26 +379,46 @@ def report(out: Path) -> Path:
         best = best_fixed(runs)
         runs["best-fixed"] = best
         cols = [c for c in COLUMNS if c in runs]
-        lines += ["", f"## {w}", "",
-                  f"Rate {runs['round-robin']['rate']:g} req/s; best fixed key: "
-                  f"{best['label'].removeprefix('fixed-')} bytes "
-                  f"(P50 by length: " + ", ".join(
-                      f"{n}: {_ms(runs[f'fixed-{n}']['ttft_p50_s'])}" for n in FIXED_LENGTHS
-                      if f"fixed-{n}" in runs) + ").", "",
-                  "| | " + " | ".join(cols) + " |", "|---" * (len(cols) + 1) + "|"]
+        lines += [
+            "",
+            f"## {w}",
+            "",
+            f"Rate {runs['round-robin']['rate']:g} req/s; best fixed key: "
+            f"{best['label'].removeprefix('fixed-')} bytes "
+            f"(P50 by length: "
+            + ", ".join(
+                f"{n}: {_ms(runs[f'fixed-{n}']['ttft_p50_s'])}"
+                for n in FIXED_LENGTHS
+                if f"fixed-{n}" in runs
+            )
+            + ").",
+            "",
+            "| | " + " | ".join(cols) + " |",
+            "|---" * (len(cols) + 1) + "|",
+        ]
         rr = runs["round-robin"]
         for name, fmt in metrics:
             lines.append(f"| {name} | " + " | ".join(fmt(runs[c], rr) for c in cols) + " |")
         checks = goals(w, runs, "prefix-spill")
         lines += ["", "| goal (prefix-spill) | verdict | figures |", "|---|---|---|"]
         lines += [f"| {g} | {_verdict(ok)} | {fig} |" for g, ok, fig in checks]
-        verdicts += [f"| {w} | {g} | {_verdict(ok)} | {fig} |" for g, ok, fig in checks
-                     if ok is not None]
-        summary["workloads"][w] = {"runs": runs, "best_fixed": best["label"],
-                                   "goals": [{"goal": g, "pass": ok, "figures": fig}
-                                             for g, ok, fig in checks]}
-    lines += ["", "## Goals of issue 23 item 4 (product defaults)", "",
-              "| workload | goal | verdict | figures |", "|---|---|---|---|", *verdicts, ""]
+        verdicts += [
+            f"| {w} | {g} | {_verdict(ok)} | {fig} |" for g, ok, fig in checks if ok is not None
+        ]
+        summary["workloads"][w] = {
+            "runs": runs,
+            "best_fixed": best["label"],
+            "goals": [{"goal": g, "pass": ok, "figures": fig} for g, ok, fig in checks],
+        }
+    lines += [
+        "",
+        "## Goals of issue 23 item 4 (product defaults)",
+        "",
+        "| workload | goal | verdict | figures |",
+        "|---|---|---|---|",
+        *verdicts,
+        "",
+    ]
     notes = out / "notes.md"
     if notes.exists():  # findings written by hand: why a goal fails, measured
         lines += [notes.read_text()]
@@ -339,8 +430,9 @@ def report(out: Path) -> Path:
 
 
 def main() -> None:
-    parser = argparse.ArgumentParser(description=__doc__,
-                                     formatter_class=argparse.RawDescriptionHelpFormatter)
+    parser = argparse.ArgumentParser(
+        description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
+    )
     parser.add_argument("part", choices=("run", "calibrate", "old", "report"))
     parser.add_argument("--only", default=",".join(RATES), help="comma-separated workloads")
     parser.add_argument("--variants", default="", help="run: only these labels")

@@ -40,11 +40,29 @@ def cpu_seconds(pid: int) -> float:
 
 
 def start_simulator(args: argparse.Namespace) -> tuple[subprocess.Popen[str], list[str]]:
-    cmd = [sys.executable, "-m", "vllm_sim", "--instances", str(args.instances),
-           "--base-port", "0", "--time-scale", str(args.time_scale), "--loop", args.loop]
-    proc = subprocess.Popen(cmd, cwd=REPO, stdout=subprocess.PIPE, text=True,
-                            env={**os.environ, "PYTHONPATH": os.pathsep.join(
-                                filter(None, [str(REPO), os.environ.get("PYTHONPATH")]))})
+    cmd = [
+        sys.executable,
+        "-m",
+        "vllm_sim",
+        "--instances",
+        str(args.instances),
+        "--base-port",
+        "0",
+        "--time-scale",
+        str(args.time_scale),
+        "--loop",
+        args.loop,
+    ]
+    proc = subprocess.Popen(
+        cmd,
+        cwd=REPO,
+        stdout=subprocess.PIPE,
+        text=True,
+        env={
+            **os.environ,
+            "PYTHONPATH": os.pathsep.join(filter(None, [str(REPO), os.environ.get("PYTHONPATH")])),
+        },
+    )
     assert proc.stdout is not None
     urls: list[str] = []
     deadline = time.monotonic() + 30
@@ -63,13 +81,17 @@ def start_simulator(args: argparse.Namespace) -> tuple[subprocess.Popen[str], li
 def make_body(i: int, n_instances: int, max_tokens: int) -> bytes:
     shared = f"System prompt of tenant {i % n_instances}. " * 64
     unique = f"Question {i}: " + "lorem ipsum dolor sit amet " * 80
-    content = (shared[:2048] + unique[:2048])
-    return json.dumps({
-        "model": "meta-llama/Llama-3.1-70B-Instruct",
-        "messages": [{"role": "user", "content": content}],
-        "max_tokens": max_tokens, "ignore_eos": True, "stream": True,
-        "stream_options": {"include_usage": True},
-    }).encode()
+    content = shared[:2048] + unique[:2048]
+    return json.dumps(
+        {
+            "model": "meta-llama/Llama-3.1-70B-Instruct",
+            "messages": [{"role": "user", "content": content}],
+            "max_tokens": max_tokens,
+            "ignore_eos": True,
+            "stream": True,
+            "stream_options": {"include_usage": True},
+        }
+    ).encode()
 
 
 async def drive(urls: list[str], args: argparse.Namespace) -> dict[str, Any]:
@@ -88,8 +110,9 @@ async def drive(urls: list[str], args: argparse.Namespace) -> dict[str, Any]:
                     return
                 conn = conns[i % len(conns)]
                 try:
-                    status, body = await conn.post("/v1/chat/completions",
-                                                   make_body(i, len(urls), args.max_tokens))
+                    status, body = await conn.post(
+                        "/v1/chat/completions", make_body(i, len(urls), args.max_tokens)
+                    )
                 except (OSError, asyncio.IncompleteReadError, ValueError):
                     errors += 1
                     conn.close()
@@ -109,9 +132,11 @@ async def drive(urls: list[str], args: argparse.Namespace) -> dict[str, Any]:
     elapsed = time.monotonic() - start
     # Sanity check with a real HTTP client: the stream parses as OpenAI SSE.
     async with httpx.AsyncClient(timeout=30) as client:
-        r = await client.post(urls[0] + "/v1/chat/completions",
-                              content=make_body(0, len(urls), args.max_tokens),
-                              headers={"content-type": "application/json"})
+        r = await client.post(
+            urls[0] + "/v1/chat/completions",
+            content=make_body(0, len(urls), args.max_tokens),
+            headers={"content-type": "application/json"},
+        )
         assert r.status_code == 200 and r.text.endswith("data: [DONE]\n\n")
     return {"done": done, "errors": errors, "tokens": tokens, "elapsed_s": elapsed}
 
@@ -146,11 +171,14 @@ def main() -> int:
     n = max(result["done"], 1)
     summary = {
         **result,
-        "instances": args.instances, "concurrency": args.concurrency,
-        "max_tokens": args.max_tokens, "prompt_bytes": 4096,
+        "instances": args.instances,
+        "concurrency": args.concurrency,
+        "max_tokens": args.max_tokens,
+        "prompt_bytes": 4096,
         "requests_per_s": result["done"] / result["elapsed_s"],
         "tokens_per_s": result["tokens"] / result["elapsed_s"],
-        "sim_cpu_s": sim_cpu, "sim_cpu_util": sim_cpu / result["elapsed_s"],
+        "sim_cpu_s": sim_cpu,
+        "sim_cpu_util": sim_cpu / result["elapsed_s"],
         "sim_cpu_ms_per_request": 1e3 * sim_cpu / n,
         "sim_capacity_req_per_cpu_s": n / sim_cpu if sim_cpu else float("inf"),
         "driver_cpu_ms_per_request": 1e3 * driver_cpu / n,
