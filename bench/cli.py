@@ -40,7 +40,7 @@ from prefix_router.core.config import RouterConfig
 from vllm_sim.config import EngineConfig, make_config
 
 
-def _workload_args(p: argparse.ArgumentParser) -> None:
+def _workload_choice_args(p: argparse.ArgumentParser) -> None:
     p.add_argument(
         "--workload", default="system-prompt", help=f"comma-separated: {', '.join(WORKLOADS)}"
     )
@@ -51,6 +51,10 @@ def _workload_args(p: argparse.ArgumentParser) -> None:
         metavar="NAME=VALUE",
         help="workload parameter (repeatable), e.g. --set docs=96",
     )
+
+
+def _workload_args(p: argparse.ArgumentParser) -> None:
+    _workload_choice_args(p)
     p.add_argument("--requests", type=int, help="requests per run (workload parameter)")
     p.add_argument("--rate", type=float, help="arrivals per model-second (workload parameter)")
     p.add_argument("--seed", type=int, help="workload seed")
@@ -119,16 +123,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def _capacity_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument(
-        "--workload", default="system-prompt", help=f"comma-separated: {', '.join(WORKLOADS)}"
-    )
-    p.add_argument(
-        "--set",
-        action="append",
-        default=[],
-        metavar="NAME=VALUE",
-        help="workload parameter (repeatable), e.g. --set docs=96",
-    )
+    _workload_choice_args(p)
     p.add_argument("--out", type=Path, default=Path("bench/results/capacity"))
     _fleet_args(p)
     p.set_defaults(instances=8, policies="all", requests=None, rate=None, seed=None)

@@ -3,7 +3,6 @@ control plane, ext_proc and Envoy while adapters are loaded and unloaded at runt
 
 from __future__ import annotations
 
-import asyncio
 from collections.abc import Iterator
 from typing import Any
 
@@ -13,7 +12,7 @@ import pytest
 from control_plane.models import disagreements, parse_models, pools_doc
 from prefix_router.core.fleet import Fleet, Instance, ServedModel
 from tests.conftest import ProcessReaper
-from tests.support.redis_ns import fresh_store, unique_namespace
+from tests.support.redis_ns import delete_namespace, unique_namespace
 from tests.support.wait import wait_until
 from tests.support.xds_stack import XdsStack, start_xds_stack
 
@@ -83,12 +82,7 @@ def stack(procs: ProcessReaper, log_dir: Any) -> Iterator[XdsStack]:
         yield stack
     finally:
         procs.stop_all()
-        asyncio.run(_forget(namespace))
-
-
-async def _forget(namespace: str) -> None:
-    async with fresh_store(namespace):
-        pass
+        delete_namespace(namespace)
 
 
 def chat(model: str, text: str = "hello") -> dict[str, Any]:

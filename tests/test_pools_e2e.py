@@ -17,7 +17,7 @@ import pytest
 
 from prefix_router.core.config import RouterConfig
 from tests.conftest import ProcessReaper
-from tests.support.redis_ns import fresh_store, unique_namespace
+from tests.support.redis_ns import delete_namespace, unique_namespace
 from tests.support.wait import wait_until
 from tests.support.xds_stack import XdsStack, start_xds_stack
 
@@ -55,12 +55,7 @@ def stack(tmp_path_factory: pytest.TempPathFactory) -> Iterator[XdsStack]:
         yield stack
     finally:
         procs.stop_all()
-        asyncio.run(delete_namespace(namespace))
-
-
-async def delete_namespace(namespace: str) -> None:
-    async with fresh_store(namespace):
-        pass
+        delete_namespace(namespace)
 
 
 def chat(model: str, text: str) -> dict[str, object]:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import asyncio
 import contextlib
 import uuid
 from collections.abc import AsyncIterator
@@ -23,3 +24,13 @@ async def fresh_store(namespace: str | None = None) -> AsyncIterator[StateStore]
     finally:
         await st.delete_namespace()
         await st.close()
+
+
+def delete_namespace(namespace: str) -> None:
+    """Delete every key of ``namespace`` (from synchronous fixture teardown)."""
+
+    async def delete() -> None:
+        async with fresh_store(namespace):
+            pass
+
+    asyncio.run(delete())
