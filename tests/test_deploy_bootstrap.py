@@ -21,6 +21,7 @@ from prefix_router.ops.cli import main as cli_main
 from prefix_router.ops.launch import start_envoy, start_ext_proc, start_module
 from prefix_router.ops.procs import envoy_binary, free_port
 from tests.conftest import REDIS_URL, ProcessReaper
+from tests.support.envoy_probe import start_envoy_with_probe_listener
 from tests.support.redis_ns import fresh_store, unique_namespace
 from tests.support.wait import wait_until
 from tests.support.xds_stack import start_backends
@@ -323,25 +324,8 @@ def _status(url: str, method: str = "GET") -> int:
 def test_real_envoy_probe_listener_serves_probes_and_nothing_that_changes_envoy(
     procs: ProcessReaper, log_dir: Path
 ) -> None:
-    fleet = log_dir / "fleet.yaml"
-    fleet.write_text(yaml.safe_dump({"instances": [{"address": "127.0.0.1", "port": 1}]}))
-    listen, admin, probe = free_port(), free_port(), free_port()
-    params, config, fleet_obj, _ = build(
-        [
-            "--listen-port",
-            str(listen),
-            "--admin-port",
-            str(admin),
-            "--probe-port",
-            str(probe),
-            "--ext-proc",
-            "127.0.0.1:1",
-            "--fleet",
-            str(fleet),
-        ],
-        {},
-    )
-    envoy = procs.add(start_envoy(params, config, log_dir, fleet=fleet_obj))
+    started = start_envoy_with_probe_listener(procs, log_dir)
+    envoy, listen, admin, probe = started.process, started.listen, started.admin, started.probe
     probes = f"http://127.0.0.1:{probe}"
     assert httpx.get(f"{probes}/ready", timeout=5).text.strip() == "LIVE"
     stats = httpx.get(f"{probes}/stats/prometheus", timeout=5)

@@ -27,13 +27,12 @@ from typing import Any
 import grpc
 import httpx
 import pytest
-import yaml
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
-from prefix_router.ops.bootstrap_cli import build
-from prefix_router.ops.launch import start_envoy, start_ext_proc, start_module
+from prefix_router.ops.launch import start_ext_proc, start_module
 from prefix_router.ops.procs import ManagedProcess, free_port
 from tests.conftest import REDIS_URL, ProcessReaper
+from tests.support.envoy_probe import start_envoy_with_probe_listener
 from tests.support.wait import wait_until
 from tests.test_deploy_compose import COMPOSE_DIR, load_compose
 from tests.test_deploy_k8s import container
@@ -173,25 +172,8 @@ def ext_proc_case(procs: ProcessReaper, log_dir: Path) -> Case:
 
 
 def envoy_case(procs: ProcessReaper, log_dir: Path) -> Case:
-    fleet = log_dir / "fleet.yaml"
-    fleet.write_text(yaml.safe_dump({"instances": [{"address": "127.0.0.1", "port": 1}]}))
-    listen, admin, probe = free_port(), free_port(), free_port()
-    params, config, fleet_obj, _ = build(
-        [
-            "--listen-port",
-            str(listen),
-            "--admin-port",
-            str(admin),
-            "--probe-port",
-            str(probe),
-            "--ext-proc",
-            "127.0.0.1:1",
-            "--fleet",
-            str(fleet),
-        ],
-        {},
-    )
-    proc = procs.add(start_envoy(params, config, log_dir, fleet=fleet_obj))
+    started = start_envoy_with_probe_listener(procs, log_dir)
+    proc, probe = started.process, started.probe
     envoy = container("envoy", "envoy")
     ports = {9902: probe}
     return Case(
