@@ -219,12 +219,16 @@ def test_a_hot_prefix_spreads_when_its_holder_is_busier_than_its_cache_saves() -
     assert max(r.ttft_s or 0 for r in spill.records) < max(r.ttft_s or 0 for r in nospill.records)
 
 
+RESIZE_AT = 7.5
+"""Half way through the resize tests' 2,400 arrivals at 160 requests/s."""
+
+
 def test_a_new_instance_moves_no_prefix_and_load_brings_it_requests() -> None:
     workload = generate(
         "system-prompt",
         {
-            "requests": 1200,
-            "rate": 40.0,
+            "requests": 2400,
+            "rate": 160.0,
             "prompts": 120,
             "prompt_tokens": 300,
             "output_min": 1,
@@ -238,20 +242,20 @@ def test_a_new_instance_moves_no_prefix_and_load_brings_it_requests() -> None:
             engine=ROOMY,
             router=RouterConfig(),
             instances=4,
-            resizes=(Resize(15.0, +1),),
+            resizes=(Resize(RESIZE_AT, +1),),
         ),
     )
     before: dict[str, set[str | None]] = defaultdict(set)
     after: dict[str, set[str | None]] = defaultdict(set)
     for arrival, record in zip(workload, result.records, strict=True):
-        (before if record.arrival_s < 15.0 else after)[arrival.group].add(record.instance)
+        (before if record.arrival_s < RESIZE_AT else after)[arrival.group].add(record.instance)
     new = Instance.from_url(default_instance_url(4)).id
-    assert new not in {r.instance for r in result.records if r.arrival_s < 15.0}
+    assert new not in {r.instance for r in result.records if r.arrival_s < RESIZE_AT}
     assert all(len(s) == 1 for s in (*before.values(), *after.values()))
     assert all(after[g] == before[g] for g in before if g in after)  # caches kept
     assert result.events and result.events[0][1] == "+1 -> 5 instances"
-    # with the defaults, load brings it requests (at this light load, only those whose
-    # holders are busier than their cache saves: the cached instances are the quicker)
+    # with the defaults, load brings it requests: only those whose holders are busier than
+    # their cache saves (at 40 requests/s none are: the cached instances are the quicker)
     spill = simulate(
         workload,
         DesSettings(
@@ -259,10 +263,10 @@ def test_a_new_instance_moves_no_prefix_and_load_brings_it_requests() -> None:
             engine=ROOMY,
             router=RouterConfig(),
             instances=4,
-            resizes=(Resize(15.0, +1),),
+            resizes=(Resize(RESIZE_AT, +1),),
         ),
     )
-    late = [r.instance for r in spill.records if r.arrival_s >= 15.0]
+    late = [r.instance for r in spill.records if r.arrival_s >= RESIZE_AT]
     assert late.count(new) > 0
 
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from dataclasses import dataclass, field
 
+import orjson
 import pytest
 
 from prefix_router.core.config import PrefixMode, RouterConfig, SpillPolicyName
@@ -90,6 +91,7 @@ class Fleetwide:
     works: dict[int, InstanceWork] = field(default_factory=dict)
     flights: dict[int, int] = field(default_factory=dict)
     capacity: float = 100_000
+    path: str = "/x"
 
     def slot(self, slot: int) -> bytes:
         return self.index.read(slot)
@@ -135,7 +137,7 @@ class Fleetwide:
         return d
 
     def key(self, body: bytes) -> PrefixKey:
-        return extract_key(body, settings=self.table.key_settings, path="/x")
+        return extract_key(body, settings=self.table.key_settings, path=self.path)
 
 
 def text(name: str, size: int) -> bytes:
@@ -150,8 +152,10 @@ def test_a_new_prefix_is_placed_on_an_idle_ring_candidate_then_found_there() -> 
     fleet.now = 100.0  # the queue has drained
     again = fleet.route(text("doc-a", 4000) + b"question two")
     assert again.outcome is Outcome.HOME and again.instance == first.instance
-    assert again.cached_tokens == 3072 // 4  # the deepest block end inside the shared 4000 B
-    assert again.prefill_tokens == again.written_tokens - 256 == (4012 // 4) - 768
+    # the deepest block inside the shared 4000 B ends at 3072; the holder is credited half
+    # of the next block too (to 4012): what it served went on past the block
+    assert again.cached_tokens == (3072 + (4012 - 3072) // 2) // 4
+    assert again.prefill_tokens == again.written_tokens - 256 == (4012 // 4) - 885
 
 
 def test_a_growing_conversation_follows_its_earlier_turns() -> None:
@@ -163,6 +167,32 @@ def test_a_growing_conversation_follows_its_earlier_turns() -> None:
         turn += text(f"answer and question {n}", 700)
         d = fleet.route(turn)
         assert (d.outcome, d.instance) == (Outcome.HOME, where)
+
+
+def chat_body(*messages: tuple[str, str]) -> bytes:
+    return orjson.dumps(
+        {"model": "m", "messages": [{"role": r, "content": c} for r, c in messages]}
+    )
+
+
+def test_a_conversation_goes_where_its_last_turn_and_the_answer_to_it_are_cached() -> None:
+    config = CONFIG.patched({"prefix_mode": "openai"})
+    fleet = Fleetwide(table=RoutingTable.build(FLEET, config), path="/v1/chat/completions")
+    system = ("system", "s" * 6000)  # shared by every conversation: every instance has it
+    for n in range(8):
+        fleet.route(chat_body(system, ("user", f"conversation {n}")), hold=True)
+    fleet.flights.clear()
+    fleet.now = 100.0
+    turn = (system, ("user", "u" * 600))
+    first = fleet.route(chat_body(*turn))
+    fleet.now = 200.0
+    answer = ("assistant", "a" * 2000)
+    second = fleet.route(chat_body(*turn, answer, ("user", "next question")))
+    assert (second.outcome, second.instance) == (Outcome.HOME, first.instance)
+    # the first turn's whole prompt and the answer generated to it, as the key renders them
+    rendered = "m\x1e\x1esystem\x1f" + "s" * 6000 + "\x1euser\x1f" + "u" * 600
+    rendered += "\x1eassistant\x1f" + "a" * 2000
+    assert second.cached_tokens == len(rendered) // 4
 
 
 def test_a_busy_holder_loses_to_an_idle_instance_when_its_queue_outweighs_its_cache() -> None:
@@ -202,7 +232,8 @@ def test_a_prefix_every_way_holds_counts_as_cached_everywhere() -> None:
     fleet.flights.clear()
     fleet.now = 100.0
     d = fleet.route(system + b"a new conversation")
-    assert d.outcome is Outcome.PLACED and d.cached_tokens == 2048 // 4
+    # every instance holds the blocks to 2048, and half the next one (to 3018)
+    assert d.outcome is Outcome.PLACED and d.cached_tokens == (2048 + (3018 - 2048) // 2) // 4
 
 
 def test_fixed_mode_keys_only_the_first_prefix_length_bytes() -> None:

@@ -12,8 +12,12 @@ from prefix_router.core.key import (
     MAX_OUTPUT_TOKENS,
     Fallback,
     KeySettings,
+    MessageEnd,
+    PrefixKey,
     block_ends,
     extract_key,
+    hash_blocks,
+    message_leaves,
 )
 
 OPENAI = KeySettings(prefix_length=1024, mode=PrefixMode.OPENAI)
@@ -262,3 +266,86 @@ def test_the_request_says_its_size_and_its_output_limit() -> None:
         settings=OPENAI,
     )
     assert huge.output_tokens == MAX_OUTPUT_TOKENS
+
+
+# -- message ends: where a conversation's earlier turns end -----------------------------------
+
+CHAT_BLOCKS = KeySettings(prefix_length=32 * 1024, mode=PrefixMode.OPENAI, block_bytes=256)
+
+
+def chat(*messages: tuple[str, str]) -> PrefixKey:
+    body = {"model": "m", "messages": [{"role": r, "content": c} for r, c in messages]}
+    return extract_key(json.dumps(body).encode(), settings=CHAT_BLOCKS)
+
+
+TURN_ONE = (("system", "s" * 7000), ("user", "u" * 400))
+ANSWER = ("assistant", "a" * 1000)
+
+
+def test_the_next_turn_holds_the_last_block_of_the_turn_before() -> None:
+    one = chat(*TURN_ONE)
+    two = chat(*TURN_ONE, ANSWER, ("user", "v" * 300))
+    j = two.blocks.index(one.blocks[-1])
+    assert two.ends[j] == one.ends[-1]
+    # whoever computed turn one also generated (and cached) the answer that follows it
+    answer_end = one.ends[-1] + len("\x1eassistant\x1f") + 1000
+    assert two.held[j] == answer_end
+    three = chat(*TURN_ONE, ANSWER, ("user", "v" * 300), ANSWER, ("user", "w" * 50))
+    assert two.blocks[-1] in three.blocks
+
+
+def test_a_system_message_ends_a_block_every_conversation_shares() -> None:
+    a = chat(("system", "s" * 5000), ("user", "first question"))
+    b = chat(("system", "s" * 5000), ("user", "another one, longer than the first"))
+    system_end = len("m\x1e\x1esystem\x1f") + 5000
+    assert system_end in a.ends and system_end in b.ends
+    assert a.blocks[a.ends.index(system_end)] == b.blocks[b.ends.index(system_end)]
+
+
+@pytest.mark.parametrize(
+    ("messages", "length", "expected"),
+    [
+        ((), 100, ()),
+        (((10, False),), 100, ((10, 10),)),
+        (((10, True), (30, False)), 100, ((10, 30), (30, 30))),  # the answer's holder has it
+        (((10, True), (130, False)), 100, ((10, 100),)),  # ... up to the prefix's end
+        (((100, False),), 100, ()),  # the prefix's own end is always a block
+        (
+            tuple((10 * n, False) for n in range(1, 9)),
+            1000,
+            ((10, 10), (50, 50), (60, 60), (70, 70), (80, 80)),  # the first, the last four
+        ),
+    ],
+)
+def test_message_leaves(
+    messages: tuple[tuple[int, bool], ...],
+    length: int,
+    expected: tuple[tuple[int, int], ...],
+) -> None:
+    ends = tuple(MessageEnd(end, answer) for end, answer in messages)
+    assert message_leaves(ends, length) == expected
+
+
+def test_leaves_never_change_the_spine_or_each_other() -> None:
+    data = bytes(range(256)) * 40
+    spine = block_ends(len(data), 512)
+    plain, plain_hashes, _ = hash_blocks(7, data, spine)
+    ends, hashes, held = hash_blocks(7, data, spine, ((700, 700), (5000, 6000)))
+    assert (
+        dict(zip(plain, plain_hashes, strict=True)).items()
+        <= dict(zip(ends, hashes, strict=True)).items()
+    )
+    alone = dict(zip(*hash_blocks(7, data, spine, ((700, 700),))[:2], strict=True))
+    assert alone[700] == dict(zip(ends, hashes, strict=True))[700]
+    assert list(held) == sorted(held) and all(h >= e for h, e in zip(held, ends, strict=True))
+    # a spine block's holder is credited half way to the next end; a leaf's what it says
+    assert held[ends.index(512)] == 512 + (700 - 512) // 2
+    assert held[ends.index(5000)] == 6000
+
+
+def test_bytes_and_fixed_keys_have_no_message_ends() -> None:
+    body = json.dumps({"model": "m", "messages": [*MESSAGES, *MESSAGES]}).encode()
+    fixed = KeySettings(prefix_length=64, mode=PrefixMode.OPENAI)
+    assert len(extract_key(body, settings=fixed).blocks) == 1
+    raw = KeySettings(prefix_length=32 * 1024, mode=PrefixMode.BYTES, block_bytes=256)
+    assert extract_key(body, settings=raw).ends == block_ends(len(body), 256)

@@ -211,7 +211,6 @@ def decide(
     ``members``: the instances of the request's pool (:mod:`.pools`) when it is not the
     whole fleet; the in-flight bound is then the pool's mean, and holders outside it are
     not candidates (the caller's ``instance_of`` holds only the pool's tags)."""
-    ends = key.ends
     shift = 64 - rule.slots_log2
     located = [(block >> shift, block & 0xFFFF) for block in key.blocks]  # index.locate
     slots = [view.slot(slot) for slot, _ in located]
@@ -225,12 +224,13 @@ def decide(
 
     held = match(slots, [fp for _, fp in located], model_of)
     cap = key.prompt_tokens - 1
-    common = max(0, min(ends[held.common - 1] // BYTES_PER_TOKEN, cap)) if held.common else 0
+    reach = key.held or key.ends
+    common = max(0, min(reach[held.common - 1] // BYTES_PER_TOKEN, cap)) if held.common else 0
     cached: dict[int, int] = {}
     for tag, depth in sorted(held.depths.items(), key=_deepest_first):
         instance = instance_of.get(tag)
         if instance is not None:
-            cached[instance] = max(0, min(ends[depth - 1] // BYTES_PER_TOKEN, cap))
+            cached[instance] = max(0, min(reach[depth - 1] // BYTES_PER_TOKEN, cap))
     deepest, home = next(iter(cached.values()), 0), next(iter(cached), None)
     for i in ring_order:
         cached.setdefault(i, common)

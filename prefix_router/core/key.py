@@ -31,8 +31,12 @@ by chained hashes, as vLLM names its KV blocks: block ``j``'s hash is ``xxh64(bl
 seed = hash of block j-1)``, the first seeded by the tenant and salt. A block's hash thus
 stands for the whole prefix up to its end, which is what the prefix index (:mod:`.index`)
 looks up to find the longest prefix an instance holds. The last block ends where the
-prefix does (so a short prompt has one). With ``block_bytes`` 0 the whole prefix is one
-block: the fixed-length key.
+prefix does (so a short prompt has one). A chat prompt also has a block ending at its
+first message (a system prompt many conversations share) and at each of its last few
+messages (where the conversation's previous turn ended, so the next turn finds the
+instance that served it: :func:`message_leaves`); those blocks hang off the geometric
+chain (:func:`hash_blocks`), so which ones a request has never changes another block's
+hash. With ``block_bytes`` 0 the whole prefix is one block: the fixed-length key.
 
 The key (the ``x-prefix-key`` value Envoy's ring hashes with xxh64) is the last block's
 hash in hex. The request's prompt size, which the router weighs as prefill work, is
@@ -110,6 +114,10 @@ class PrefixKey(NamedTuple):
     """Chained 64-bit hashes of the prefix's blocks, first to last (never empty)."""
     ends: tuple[int, ...] = ()
     """Byte offset in the prefix where each block ends."""
+    held: tuple[int, ...] = ()
+    """Bytes of the prefix an instance holding block ``j`` is expected to have cached:
+    past ``ends[j]`` (:func:`hash_blocks`), because a holder's earlier request went on past
+    the block, and the instance that answered a conversation's turn caches the answer."""
     prompt_tokens: int = 1
     """The whole prompt's size in tokens, estimated from the body."""
     output_tokens: int = DEFAULT_OUTPUT_TOKENS
@@ -143,13 +151,13 @@ def extract_key(
     prompt_tokens = min(MAX_PROMPT_TOKENS, max(1, len(body) // BYTES_PER_TOKEN))
     if settings.mode is PrefixMode.OPENAI:
         try:
-            salt, prefix, output, model = _render_openai(
+            salt, prefix, messages, output, model = _render_openai(
                 body, path=path, complete=complete, limit=limit, max_parse=settings.max_parse_bytes
             )
         except _Unrenderable as why:
             model = _raw_model(body, settings, complete) if why.reason in _PARSED_AGAIN else None
             return _key(tenant, "", body[:limit], settings, prompt_tokens, why.reason, model=model)
-        return _key(tenant, salt, prefix, settings, prompt_tokens, None, output, model)
+        return _key(tenant, salt, prefix, settings, prompt_tokens, None, output, model, messages)
     model = _raw_model(body, settings, complete)
     return _key(tenant, "", body[:limit], settings, prompt_tokens, None, model=model)
 
@@ -178,14 +186,17 @@ def _key(
     fallback: Fallback | None,
     output_tokens: int = DEFAULT_OUTPUT_TOKENS,
     model: str | None = None,
+    messages: Sequence[MessageEnd] = (),
 ) -> PrefixKey:
-    ends = block_ends(len(prefix), settings.block_bytes)
+    spine = block_ends(len(prefix), settings.block_bytes)
+    leaves = message_leaves(messages, len(prefix)) if settings.block_bytes > 0 else ()
     scope = (model or "") if settings.by_model else ""
-    blocks = chain_hashes(_seed(tenant, salt, scope), prefix, ends)
+    ends, blocks, held = hash_blocks(_seed(tenant, salt, scope), prefix, spine, leaves)
     return PrefixKey(
         value=f"{blocks[-1]:016x}",
         blocks=blocks,
         ends=ends,
+        held=held,
         prompt_tokens=prompt_tokens,
         output_tokens=output_tokens,
         fallback=fallback,
@@ -247,6 +258,82 @@ def chain_hashes(seed: int, data: bytes, ends: Sequence[int]) -> tuple[int, ...]
     return tuple(out)
 
 
+class MessageEnd(NamedTuple):
+    """Where one message of the rendering ends, and who speaks next."""
+
+    end: int
+    """Byte offset in the rendering just past the message."""
+    next_is_answer: bool = False
+    """The next message is the assistant's: an instance that computed this message's prefix
+    for an earlier turn also generated (and cached) that answer."""
+
+
+TRAILING_MESSAGES = 4
+"""Message ends of a conversation's tail that get a block (:func:`message_leaves`): the
+previous turn's prompt ends two messages back (before the answer and the new question),
+four with a tool call and its result in between."""
+
+
+def message_leaves(messages: Sequence[MessageEnd], length: int) -> tuple[tuple[int, int], ...]:
+    """``(end, held)`` of the blocks a chat prompt adds at message ends: the first message
+    (a system prompt shared by many conversations) and the last :data:`TRAILING_MESSAGES`
+    (where the conversation's previous turn ended). ``held`` reaches past the answer that
+    follows a message, if one does. Ends at or past ``length`` are the prefix's own end."""
+    inside = [m for m in messages if 0 < m.end < length]
+    chosen = {*inside[:1], *inside[-TRAILING_MESSAGES:]}
+    by_end = {m.end: i for i, m in enumerate(messages)}
+    out = []
+    for m in sorted(chosen):
+        following = by_end[m.end] + 1
+        answer_end = messages[following].end if following < len(messages) else 0
+        held = min(answer_end, length) if m.next_is_answer and answer_end else m.end
+        out.append((m.end, held))
+    return tuple(out)
+
+
+def hash_blocks(
+    seed: int, data: bytes, spine: Sequence[int], leaves: Sequence[tuple[int, int]] = ()
+) -> tuple[tuple[int, ...], tuple[int, ...], tuple[int, ...]]:
+    """``(ends, hashes, held)`` of the prefix's blocks, in order of their ends.
+
+    ``spine`` (:func:`block_ends`) is chained: each of its blocks is hashed seeded by the one
+    before, so a hash names its whole prefix and depends on nothing past it. Every other
+    block ends at a ``leaves`` offset (a message end, with what its holder is expected to
+    hold) or at the prefix's end, and is a leaf off the spine: hashed from the last spine
+    end before it, seeded by that block. Which leaves a request has thus never changes
+    another block's hash, so a conversation's next turn, which has other message ends,
+    finds its previous turn's last block.
+
+    ``held``: a leaf's holder holds what the leaf says; a spine block's holder is credited
+    half the way to the next block's end, the expected length of a prefix it served that
+    went on past the block (a shared document ends somewhere inside the next block)."""
+    length = spine[-1]
+    spine_hash = chain_hashes(seed, data, spine[:-1])
+    marks = dict(leaves)
+    marks[length] = length
+    ends: list[int] = []
+    hashes: list[int] = []
+    held: list[int] = []
+    digest = xxhash.xxh64_intdigest
+    view = memoryview(data)
+    s = 0  # spine blocks before the current end
+    for end in sorted({*spine[:-1], *marks}):
+        if s < len(spine) - 1 and spine[s] == end:
+            hashes.append(spine_hash[s])
+            s += 1
+            held.append(-1)  # set below, once the next end is known
+        else:
+            start, parent = (spine[s - 1], spine_hash[s - 1]) if s else (0, seed)
+            hashes.append(digest(view[start:end], parent))
+            held.append(max(end, marks[end]))
+        ends.append(end)
+    reach = 0
+    for j, h in enumerate(held):
+        reach = max(reach, h if h >= 0 else ends[j] + (ends[j + 1] - ends[j]) // 2)
+        held[j] = reach  # a deeper holder holds what a shallower one would
+    return tuple(ends), tuple(hashes), tuple(held)
+
+
 def _output_tokens(request: dict[str, Any]) -> int:
     for name in ("max_tokens", "max_completion_tokens", "max_output_tokens"):
         value = request.get(name)
@@ -261,9 +348,9 @@ def _path_only(path: str) -> str:
 
 def _render_openai(
     body: bytes, *, path: str, complete: bool, limit: int, max_parse: int
-) -> tuple[str, bytes, int, str | None]:
-    """``(cache_salt, first limit bytes of the canonical rendering, output tokens, model)``
-    or :class:`_Unrenderable`.
+) -> tuple[str, bytes, tuple[MessageEnd, ...], int, str | None]:
+    """``(cache_salt, first limit bytes of the canonical rendering, where its messages end,
+    output tokens, model)`` or :class:`_Unrenderable`.
 
     Parts are rendered lazily and only until ``limit`` bytes exist: what lies past
     the prefix is never examined.
@@ -287,9 +374,10 @@ def _render_openai(
         salt = request.get("cache_salt") or ""
         if not isinstance(salt, str):
             raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
-        prefix = _first_bytes(_render_parts(request, route, limit), limit)
+        prefix, messages = _first_bytes(_render_parts(request, route, limit), limit)
         model = request.get("model")
-        return salt, prefix, _output_tokens(request), model if isinstance(model, str) else None
+        output = _output_tokens(request)
+        return salt, prefix, messages, output, model if isinstance(model, str) else None
     except _Unrenderable:
         raise
     except (
@@ -303,35 +391,45 @@ def _render_openai(
         raise _Unrenderable(Fallback.UNEXPECTED_SHAPE) from None
 
 
-def _render_parts(request: dict[str, Any], route: str, limit: int) -> Iterator[str]:
+Part = tuple[str, str | None]
+"""One part of the rendering, and the role that speaks it if it is a message."""
+
+
+def _render_parts(request: dict[str, Any], route: str, limit: int) -> Iterator[Part]:
     """The rendering's parts in prompt order. Each part is cut at ``limit`` characters
     at most (all the key can use of it), so no part costs more than the prefix does."""
-    yield _text(request.get("model", ""))
-    yield _canonical_json(request.get("tools"))
+    yield _text(request.get("model", "")), None
+    yield _canonical_json(request.get("tools")), None
     if route == "/v1/chat/completions":
         yield from _render_messages(request.get("messages"), limit)
     elif route == "/v1/completions":
-        yield _render_prompt(request.get("prompt"))
+        yield _render_prompt(request.get("prompt")), None
     else:
-        yield _text(request.get("instructions") or "")
+        yield _text(request.get("instructions") or ""), None
         yield from _render_responses_input(request.get("input"), limit)
 
 
-def _first_bytes(parts: Iterator[str], limit: int) -> bytes:
-    """The first ``limit`` bytes of the parts joined by a record separator.
+def _first_bytes(parts: Iterator[Part], limit: int) -> tuple[bytes, tuple[MessageEnd, ...]]:
+    """The first ``limit`` bytes of the parts joined by a record separator, and where each
+    message in them ends.
 
     A str of n characters encodes to at least n bytes, so each part is cut to the
     characters still needed before encoding: a 64 KB message costs what its
     prefix costs.
     """
     out = bytearray()
-    for index, part in enumerate(parts):
+    ends: list[MessageEnd] = []
+    for index, (part, role) in enumerate(parts):
         if index:
             out += b"\x1e"
         out += part[: limit - len(out)].encode("utf-8", "surrogatepass")
+        if role is not None:
+            if ends and role == "assistant":
+                ends[-1] = ends[-1]._replace(next_is_answer=True)
+            ends.append(MessageEnd(min(len(out), limit)))
         if len(out) >= limit:
             break
-    return bytes(out[:limit])
+    return bytes(out[:limit]), tuple(ends)
 
 
 def _text(value: Any) -> str:
@@ -362,7 +460,7 @@ def _cut_strings(value: Any, limit: int) -> Any:
     return value
 
 
-def _render_messages(messages: Any, limit: int) -> Iterator[str]:
+def _render_messages(messages: Any, limit: int) -> Iterator[Part]:
     if not isinstance(messages, list) or not messages:
         raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
     for message in messages:
@@ -375,7 +473,7 @@ def _render_messages(messages: Any, limit: int) -> Iterator[str]:
                 rendered += _FIELD + _text(message[extra])
         if message.get("tool_calls"):
             rendered += _FIELD + _canonical_json(_cut_strings(message["tool_calls"], limit))
-        yield rendered
+        yield rendered, role
 
 
 def _render_content(content: Any, limit: int) -> str:
@@ -424,9 +522,9 @@ def _render_prompt(prompt: Any) -> str:
     raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
 
 
-def _render_responses_input(items: Any, limit: int) -> Iterator[str]:
+def _render_responses_input(items: Any, limit: int) -> Iterator[Part]:
     if isinstance(items, str):
-        yield "user" + _FIELD + items[:limit]
+        yield "user" + _FIELD + items[:limit], "user"
     elif isinstance(items, list) and items:
         messages = [i for i in items if isinstance(i, dict) and "role" in i]
         yield from _render_messages(messages, limit)
