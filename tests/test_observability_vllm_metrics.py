@@ -119,21 +119,22 @@ def test_parse_vllm_metrics(text: str, expected: VllmReading) -> None:
 @pytest.mark.parametrize(
     ("old", "new", "elapsed_s", "expected"),
     [
-        # 9,000 prompt tokens queried, 3,000 hit: 6,000 computed in 2 s of prefill over a
-        # minute: alone most of the time, ~ tokens per second of prefill (3,000 + 100)
+        # 9,000 prompt tokens queried, 3,000 hit: 6,000 computed in 2 s of prefill over
+        # 16 s: 0.125 requests in prefill on average, so almost alone: 3,000 x sqrt(1.125)
         (
             VllmReading(1000.0, 400.0, prefill_seconds=1.0),
             VllmReading(10000.0, 3400.0, prefill_seconds=3.0),
-            60.0,
-            3100.0,
+            16.0,
+            3000.0 * 1.125**0.5,
         ),
-        # 90,000 computed in 10 s while three requests at a time were in prefill (30 s of
-        # per-request prefill time): busy 3/4 of the time at 12,000 tokens/s, not 3,000
+        # 90,000 computed with 30 s of per-request prefill time over 10 s: three requests
+        # at a time in prefill. Between 3,000 tokens/s (each alone for 30 s) and 12,000
+        # (all sharing steps, busy 3/4 of the time): the geometric mean
         (
             VllmReading(0.0, 0.0, prefill_seconds=0.0),
             VllmReading(90000.0, 0.0, prefill_seconds=30.0),
             10.0,
-            12000.0,
+            6000.0,
         ),
         # too little prefill in the window to tell
         (
@@ -148,15 +149,15 @@ def test_parse_vllm_metrics(text: str, expected: VllmReading) -> None:
         (
             VllmReading(90000.0, 400.0, prefill_seconds=90.0),
             VllmReading(6000.0, 0.0, prefill_seconds=2.0),
-            60.0,
-            3100.0,
+            8.0,
+            3000.0 * 1.25**0.5,
         ),
     ],
 )
 def test_the_prefill_rate_is_learned_from_computed_tokens_per_second_of_prefill(
     old: VllmReading, new: VllmReading, elapsed_s: float, expected: float | None
 ) -> None:
-    assert learned_rate(new, old, elapsed_s) == expected
+    assert learned_rate(new, old, elapsed_s) == pytest.approx(expected)
     assert learned_rate(new, None, elapsed_s) is None
 
 

@@ -25,6 +25,7 @@ ext_proc replicas, where the same arithmetic runs inside the write so replicas a
 
 from __future__ import annotations
 
+import math
 from bisect import bisect_right
 from dataclasses import dataclass
 from typing import NamedTuple
@@ -107,22 +108,25 @@ def learned_prefill_rate(
     instance spent prefilling. None when the window holds too little prefill to tell.
 
     vLLM's ``vllm:request_prefill_time_seconds`` is per request: requests prefilled in the
-    same engine steps each count those steps, so ``tokens / prefill_seconds`` alone is the
-    rate divided by how many requests were in prefill at once (3x low at 60% load in the
-    simulation). What the router needs is the rate while the instance prefills at all:
-    ``tokens / busy``, with ``busy = tokens / rate`` its seconds of prefill. The mean
-    number of requests in prefill is ``N = prefill_seconds / window_seconds``; served
-    together (steps shared), that number is ``rho / (1 - rho)`` with ``rho`` the busy
-    fraction, whatever the prompts' sizes (processor sharing), so
-    ``rho = N / (1 + N)`` and::
+    same engine steps each count those steps. With ``N = prefill_seconds /
+    window_seconds`` the mean number of requests in prefill, the true rate lies between
+    two bounds the metrics cannot tell apart:
 
-        rate = throughput / rho = tokens / prefill_seconds + tokens / window_seconds
+    * requests never overlap (each prefills alone, first come first served):
+      ``tokens / prefill_seconds``;
+    * requests always share their steps (processor sharing: ``N = rho / (1 - rho)`` with
+      ``rho`` the busy fraction): ``tokens / prefill_seconds * (1 + N)``.
 
-    It is exact for requests alone (``N`` small: the first term) and for a saturated
-    instance (``rho`` near 1: the throughput); if requests never overlap it errs high
-    by at most the factor ``1 + rho``, where the per-request sum would err low by the
-    overlap instead.
+    vLLM's scheduler is in between (waiting requests join the next step together, up to
+    its token budget; a long prompt's chunks go first come first served), and how far
+    depends on the traffic. The estimate is the geometric mean of the two bounds,
+    ``tokens / prefill_seconds * sqrt(1 + N)``, which errs by at most ``sqrt(1 + N)``
+    either way, where either bound alone may err by ``1 + N`` (the lower one read chat
+    traffic 3x low; the upper one unique prompts 1.5x high, and a rate read high makes
+    queues look drained before they are: in the simulation, P99 TTFT on unique prompts
+    went from 985 ms to 822 ms, round robin's being 896 ms, and to 741 ms with the true
+    rate).
     """
     if prefill_seconds < MIN_PREFILL_SECONDS or computed_tokens <= 0 or window_seconds <= 0:
         return None
-    return computed_tokens / prefill_seconds + computed_tokens / window_seconds
+    return computed_tokens / prefill_seconds * math.sqrt(1.0 + prefill_seconds / window_seconds)
