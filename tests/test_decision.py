@@ -58,6 +58,8 @@ def c(cached: int = 0, backlog: float = 0.0, waiting: int = 0, in_flight: int = 
         # no spill: the deepest holder, whatever its queue; a new prefix: the least backlog
         (NO_SPILL, [c(cached=100, backlog=9.0, waiting=9), c()], 1, 0),
         (NO_SPILL, [c(backlog=0.2), c(backlog=0.1)], 1, 1),
+        # ... and a prefix every instance holds (a shared system prompt) is a new prefix
+        (NO_SPILL, [c(cached=100, backlog=0.2), c(cached=100, backlog=0.1)], 1, 1),
     ],
 )
 def test_choose(

@@ -178,8 +178,8 @@ def choose(
     """Position in ``candidates`` of the one that takes the request (see module doc);
     ``bound`` is :func:`in_flight_bound`."""
     if rule.policy is SpillPolicyName.NONE:
-        if candidates[0].cached_tokens > 0:
-            return 0
+        if candidates[0].cached_tokens > min(c.cached_tokens for c in candidates):
+            return 0  # the deepest holder
         return min(range(len(candidates)), key=lambda i: candidates[i].backlog_s)
     best, best_key, best_rank = 0, (0.0, 0), 3
     for i, c in enumerate(candidates):
@@ -229,8 +229,9 @@ def decide(
     cached: dict[int, int] = {}
     for tag, depth in sorted(held.depths.items(), key=_deepest_first):
         instance = instance_of.get(tag)
-        if instance is not None:
-            cached[instance] = max(0, min(reach[depth - 1] // BYTES_PER_TOKEN, cap))
+        tokens = max(0, min(reach[depth - 1] // BYTES_PER_TOKEN, cap))
+        if instance is not None and tokens > common:  # holding what all hold is no claim
+            cached[instance] = tokens
     deepest, home = next(iter(cached.values()), 0), next(iter(cached), None)
     for i in ring_order:
         cached.setdefault(i, common)
