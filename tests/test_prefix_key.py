@@ -310,6 +310,7 @@ def test_a_system_message_ends_a_block_every_conversation_shares() -> None:
         (((10, True), (30, False)), 100, ((10, 30), (30, 30))),  # the answer's holder has it
         (((10, True), (130, False)), 100, ((10, 100),)),  # ... up to the prefix's end
         (((100, False),), 100, ()),  # the prefix's own end is always a block
+        (((5, True), (30, False)), 100, ((30, 30),)),  # shorter than a block (10): none
         (
             tuple((10 * n, False) for n in range(1, 9)),
             1000,
@@ -323,7 +324,7 @@ def test_message_leaves(
     expected: tuple[tuple[int, int], ...],
 ) -> None:
     ends = tuple(MessageEnd(end, answer) for end, answer in messages)
-    assert message_leaves(ends, length) == expected
+    assert message_leaves(ends, length, shortest=10) == expected
 
 
 def test_leaves_never_change_the_spine_or_each_other() -> None:

@@ -189,7 +189,8 @@ def _key(
     messages: Sequence[MessageEnd] = (),
 ) -> PrefixKey:
     spine = block_ends(len(prefix), settings.block_bytes)
-    leaves = message_leaves(messages, len(prefix)) if settings.block_bytes > 0 else ()
+    block = settings.block_bytes
+    leaves = message_leaves(messages, len(prefix), block) if block > 0 else ()
     scope = (model or "") if settings.by_model else ""
     ends, blocks, held = hash_blocks(_seed(tenant, salt, scope), prefix, spine, leaves)
     return PrefixKey(
@@ -274,12 +275,17 @@ previous turn's prompt ends two messages back (before the answer and the new que
 four with a tool call and its result in between."""
 
 
-def message_leaves(messages: Sequence[MessageEnd], length: int) -> tuple[tuple[int, int], ...]:
+def message_leaves(
+    messages: Sequence[MessageEnd], length: int, shortest: int = 1
+) -> tuple[tuple[int, int], ...]:
     """``(end, held)`` of the blocks a chat prompt adds at message ends: the first message
     (a system prompt shared by many conversations) and the last :data:`TRAILING_MESSAGES`
     (where the conversation's previous turn ended). ``held`` reaches past the answer that
-    follows a message, if one does. Ends at or past ``length`` are the prefix's own end."""
-    inside = [m for m in messages if 0 < m.end < length]
+    follows a message, if one does. Ends at or past ``length`` are the prefix's own end;
+    ends before ``shortest`` (a block's length) get none: a prefix that short saves less
+    than a block's prefill, and as a block of its own a short instruction every request
+    starts with would draw them all to its first holder."""
+    inside = [m for m in messages if shortest <= m.end < length]
     chosen = {*inside[:1], *inside[-TRAILING_MESSAGES:]}
     by_end = {m.end: i for i, m in enumerate(messages)}
     out = []
