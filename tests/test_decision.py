@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 from dataclasses import dataclass, field
 
 import orjson
@@ -29,6 +30,7 @@ RULE = DecisionRule(
     placement_width=4,
     slots_log2=12,
 )
+MISS_3 = dataclasses.replace(RULE, miss_weight=3.0)
 NO_SPILL = DecisionRule(
     policy=SpillPolicyName.NONE, threshold=4, load_factor=1.25, placement_width=4, slots_log2=12
 )
@@ -55,6 +57,11 @@ def c(cached: int = 0, backlog: float = 0.0, waiting: int = 0, in_flight: int = 
         # over the bound beats over the threshold; all overloaded: the shortest wait
         (RULE, [c(waiting=4), c(in_flight=5, backlog=2.0)], 3, 1),
         (RULE, [c(waiting=5, backlog=2.0), c(waiting=4, backlog=1.0)], 3, 1),
+        # a miss counts miss_weight times the extra prefill: 1.0 + 0.1 < 1.0 + 0.1 + 2 x 0.9
+        (MISS_3, [c(cached=900, backlog=1.0), c()], 9, 0),
+        (MISS_3, [c(cached=900, backlog=2.9), c()], 9, 1),
+        # ... never between candidates that need the same prefill
+        (MISS_3, [c(backlog=0.2), c(backlog=0.1)], 9, 1),
         # no spill: the deepest holder, whatever its queue; a new prefix: the least backlog
         (NO_SPILL, [c(cached=100, backlog=9.0, waiting=9), c()], 1, 0),
         (NO_SPILL, [c(backlog=0.2), c(backlog=0.1)], 1, 1),
@@ -229,7 +236,7 @@ def test_a_departed_instance_holds_nothing() -> None:
 def test_a_prefix_every_way_holds_counts_as_cached_everywhere() -> None:
     fleet = Fleetwide()
     system = text("shared system prompt", 3000)
-    placed = [fleet.route(system + text(f"user {n}", 600), hold=True) for n in range(12)]
+    placed = [fleet.route(system + text(f"user {n}", 600), hold=True) for n in range(24)]
     assert len({d.instance for d in placed}) == 4  # spread by the in-flight bound
     fleet.flights.clear()
     fleet.now = 100.0

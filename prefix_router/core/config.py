@@ -76,6 +76,14 @@ class SpillConfig(_Frozen):
         description="No instance takes new requests above load_factor x the fleet's mean "
         "in-flight + 4 while another candidate can.",
     )
+    miss_weight: float = Field(
+        3.0,
+        ge=1.0,
+        le=100.0,
+        description="Prefill a request would compute beyond the least any candidate needs "
+        "counts this many times in its score: it also delays the requests that queue "
+        "behind it (1: only the request's own wait).",
+    )
 
 
 class PlacementConfig(_Frozen):
@@ -194,7 +202,7 @@ class RouterConfig(_Frozen):
         "x-tenant-id", description="Header whose value scopes the key; null disables tenancy."
     )
     concurrency_threshold: int = Field(
-        16,
+        256,
         ge=1,
         le=1_000_000,
         description="ConcurrencyThreshold: requests waiting for their first token at which an "
