@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import json
+from collections import Counter
 
 from ext_proc.router import RequestRouter
 from prefix_router.core.config import RouterConfig
@@ -45,9 +46,12 @@ async def test_a_shared_prefix_goes_home_and_a_hot_one_spreads_with_load() -> No
     again = await router.route(body("q1"), path=PATH, tenant="")
     assert first.decision.outcome is Outcome.PLACED and again.decision.outcome is Outcome.HOME
     assert again.decision.instance_id == first.decision.instance_id
-    held = [again] + [await router.route(body(f"q{n}"), path=PATH, tenant="") for n in range(12)]
+    held = [again] + [await router.route(body(f"q{n}"), path=PATH, tenant="") for n in range(24)]
     assert {r.decision.outcome for r in held[1:]} >= {Outcome.SPILLED}
-    assert len({r.decision.instance_id for r in held}) == 3  # the in-flight bound spread them
+    # the in-flight bound spread them: none holds more than 1.25 x the mean + 4 (+ the one
+    # that crossed it)
+    counts = Counter(r.decision.instance_id for r in held)
+    assert len(counts) >= 2 and max(counts.values()) <= 1.25 * len(held) / 3 + 4 + 1
     # Envoy is steered by a header its ring maps to the chosen instance.
     for r in held:
         assert r.decision.header_value is not None
@@ -60,10 +64,10 @@ async def test_a_shared_prefix_goes_home_and_a_hot_one_spreads_with_load() -> No
 
 async def test_without_the_shared_store_it_decides_on_its_own_state() -> None:
     router = RequestRouter(TABLE, DownStore())
-    results = [await router.route(body("same"), path=PATH, tenant="") for _ in range(3)]
+    results = [await router.route(body("same"), path=PATH, tenant="") for _ in range(12)]
     assert {r.decision.outcome for r in results} == {Outcome.RING_ONLY}
     assert len({r.decision.instance_id for r in results}) > 1  # still spread by load
-    assert sum((await router.local.in_flight()).values()) == 3
+    assert sum((await router.local.in_flight()).values()) == 12
     for r in results:
         router.finish(r)
     assert await router.local.in_flight() == {}
