@@ -323,7 +323,11 @@ def test_message_leaves(
     length: int,
     expected: tuple[tuple[int, int], ...],
 ) -> None:
-    ends = tuple(MessageEnd(end, answer) for end, answer in messages)
+    # ``answer``: the next message is the assistant's
+    ends = tuple(
+        MessageEnd(end, "assistant" if n and messages[n - 1][1] else "user")
+        for n, (end, _) in enumerate(messages)
+    )
     assert message_leaves(ends, length, shortest=10) == expected
 
 

@@ -190,7 +190,7 @@ def choose(
         if candidates[0].cached_tokens > min(c.cached_tokens for c in candidates):
             return 0  # the deepest holder
         return min(range(len(candidates)), key=lambda i: candidates[i].backlog_s)
-    least = prompt_tokens - max(c.cached_tokens for c in candidates)
+    least = max(0, prompt_tokens - max(c.cached_tokens for c in candidates))
     extra = rule.miss_weight - 1.0
     best, best_key, best_rank = 0, (0.0, 0), 3
     for i, c in enumerate(candidates):
@@ -199,7 +199,7 @@ def choose(
         if c.waiting >= rule.threshold:
             rank = 2
         own = max(0, prompt_tokens - c.cached_tokens)
-        key = (c.backlog_s + (own + extra * (own - max(0, least))) / c.rate, c.in_flight)
+        key = (c.backlog_s + (own + extra * (own - least)) / c.rate, c.in_flight)
         if rank < best_rank or (rank == best_rank and key < best_key):
             best, best_key, best_rank = i, key, rank
     return best

@@ -260,13 +260,11 @@ def chain_hashes(seed: int, data: bytes, ends: Sequence[int]) -> tuple[int, ...]
 
 
 class MessageEnd(NamedTuple):
-    """Where one message of the rendering ends, and who speaks next."""
+    """Where one message of the rendering ends, and who spoke it."""
 
     end: int
     """Byte offset in the rendering just past the message."""
-    next_is_answer: bool = False
-    """The next message is the assistant's: an instance that computed this message's prefix
-    for an earlier turn also generated (and cached) that answer."""
+    role: str
 
 
 TRAILING_MESSAGES = 4
@@ -285,15 +283,14 @@ def message_leaves(
     ends before ``shortest`` (a block's length) get none: a prefix that short saves less
     than a block's prefill, and as a block of its own a short instruction every request
     starts with would draw them all to its first holder."""
-    inside = [m for m in messages if shortest <= m.end < length]
-    chosen = {*inside[:1], *inside[-TRAILING_MESSAGES:]}
-    by_end = {m.end: i for i, m in enumerate(messages)}
+    inside = [i for i, m in enumerate(messages) if shortest <= m.end < length]
     out = []
-    for m in sorted(chosen):
-        following = by_end[m.end] + 1
-        answer_end = messages[following].end if following < len(messages) else 0
-        held = min(answer_end, length) if m.next_is_answer and answer_end else m.end
-        out.append((m.end, held))
+    for i in sorted({*inside[:1], *inside[-TRAILING_MESSAGES:]}):
+        end = messages[i].end
+        answer = messages[i + 1] if i + 1 < len(messages) else None
+        # an instance that computed this prefix for an earlier turn generated that answer
+        held = min(answer.end, length) if answer and answer.role == "assistant" else end
+        out.append((end, held))
     return tuple(out)
 
 
@@ -430,9 +427,7 @@ def _first_bytes(parts: Iterator[Part], limit: int) -> tuple[bytes, tuple[Messag
             out += b"\x1e"
         out += part[: limit - len(out)].encode("utf-8", "surrogatepass")
         if role is not None:
-            if ends and role == "assistant":
-                ends[-1] = ends[-1]._replace(next_is_answer=True)
-            ends.append(MessageEnd(min(len(out), limit)))
+            ends.append(MessageEnd(min(len(out), limit), role))
         if len(out) >= limit:
             break
     return bytes(out[:limit]), tuple(ends)
