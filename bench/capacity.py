@@ -605,6 +605,41 @@ def _setups(
     ]
 
 
+def fleet_load(
+    fleet: FleetSettings | None,
+    capacities: Sequence[Capacity],
+    previous: WorkloadCapacity | None,
+    measured: tuple[int, Objective, RunPlan],
+) -> float | None:
+    """The offered load the fleet search sizes fleets for: the one asked for, else round
+    robin's capacity (from this sweep, or from ``previous`` when it measured the same
+    ``(instances, objective, plan)``), else the load ``previous`` chose, so a rerun of a
+    subset of policies keeps the full sweep's load; else the lowest capacity found (round
+    robin met the objective at no rate). None: no fleet search."""
+    if fleet is None:
+        return None
+    if fleet.load is not None:
+        return fleet.load
+    comparable = (
+        previous is not None
+        and (
+            previous.instances,
+            previous.objective,
+            previous.plan,
+        )
+        == measured
+    )
+    rr_policy = Policy.ROUND_ROBIN.value
+    rr = next((c for c in capacities if c.policy == rr_policy), None)
+    if rr is None and comparable and previous is not None:
+        rr = previous.capacity(rr_policy)
+    if rr is not None and rr.search.lo:
+        return rr.search.lo
+    if comparable and previous is not None and previous.load is not None:
+        return previous.load
+    return min((c.search.lo for c in capacities if c.search.lo), default=None)
+
+
 def sweep(
     workload: str,
     overrides: dict[str, str | int | float],
@@ -647,21 +682,7 @@ def sweep(
             search=search,
             capacities=capacities,
         )
-        load: float | None = None
-        if fleet is not None:
-            comparable = previous is not None and (
-                previous.instances,
-                previous.objective,
-                previous.plan,
-            ) == (instances, objective, plan)
-            rr = out.capacity(Policy.ROUND_ROBIN.value) or (
-                previous.capacity(Policy.ROUND_ROBIN.value)
-                if previous is not None and comparable
-                else None
-            )
-            load = fleet.load if fleet.load is not None else (rr.search.lo if rr else None)
-            if load is None:  # round robin meets the objective at no rate: the lowest other
-                load = min((c.search.lo for c in capacities if c.search.lo), default=None)
+        load = fleet_load(fleet, capacities, previous, (instances, objective, plan))
         if fleet is not None and load is not None:
             out.load, out.fleet_range = load, (fleet.lo, fleet.hi)
             guesses = [

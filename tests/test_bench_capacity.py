@@ -13,6 +13,7 @@ from bench.capacity import (
     Capacity,
     FleetNeed,
     FleetSearch,
+    FleetSettings,
     Objective,
     ProbeSetup,
     RateSearch,
@@ -20,6 +21,7 @@ from bench.capacity import (
     SearchSettings,
     WorkloadCapacity,
     fleet_guess,
+    fleet_load,
     from_json,
     load_all,
     measure,
@@ -313,3 +315,45 @@ def test_a_rerun_of_one_policy_keeps_the_others_in_policy_order() -> None:
     # Fleet needs for another load are not mixed with the new ones.
     other = merge(sweep_of({"round-robin": 10.0}, load=5.0), sweep_of({"prefix": 30.0}))
     assert [n.policy for n in other.needs] == ["prefix"]
+
+
+def caps_of(policies: dict[str, float | None]) -> list[Capacity]:
+    return [
+        Capacity(policy=p, instances=8, search=RateSearch(lo, None, ()), probes=[])
+        for p, lo in policies.items()
+    ]
+
+
+SAME = (8, Objective(), RunPlan())
+
+FLEET_LOAD_CASES = [
+    # (asked, this sweep's capacities, previous sweep, measured as, load)
+    (7.0, {"round-robin": 10.0}, None, SAME, 7.0),  # asked for
+    (None, {"round-robin": 10.0, "prefix": 30.0}, None, SAME, 10.0),  # round robin's knee
+    (None, {"prefix": 30.0}, {"round-robin": 12.0}, SAME, 12.0),  # an earlier round robin
+    (None, {"prefix": 30.0}, {"round-robin": 12.0}, (4, Objective(), RunPlan()), 30.0),
+    # round robin never met the objective: a subset rerun keeps the full sweep's load ...
+    (None, {"prefix": 30.0}, {"round-robin": None, "cache-aware": 20.0}, SAME, 20.0),
+    (None, {"round-robin": None, "prefix": 30.0}, {"cache-aware": 20.0}, SAME, 20.0),
+    # ... and a first sweep takes the lowest capacity found
+    (None, {"round-robin": None, "prefix": 30.0, "cache-aware": 25.0}, None, SAME, 25.0),
+    (None, {"round-robin": None}, None, SAME, None),
+]
+
+
+@pytest.mark.parametrize(("asked", "caps", "before", "measured", "load"), FLEET_LOAD_CASES)
+def test_the_fleet_search_load_survives_a_rerun_of_some_policies(
+    asked: float | None,
+    caps: dict[str, float | None],
+    before: dict[str, float | None] | None,
+    measured: tuple[int, Objective, RunPlan],
+    load: float | None,
+) -> None:
+    previous = None
+    if before is not None:
+        previous = sweep_of({})
+        previous.capacities = caps_of(before)
+        previous.load = min((x for x in before.values() if x), default=None)
+    got = fleet_load(FleetSettings(load=asked), caps_of(caps), previous, measured)
+    assert got == load
+    assert fleet_load(None, caps_of(caps), previous, measured) is None
