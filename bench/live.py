@@ -118,6 +118,7 @@ def policy_stack(
             config=str(config_file),
             run_dir=str(run_dir),
             namespace="prefix-router-bench:",
+            clock_scale=settings.time_scale,
         )
         stack = Stack(up, config)
         try:

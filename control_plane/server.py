@@ -52,6 +52,7 @@ from prefix_router.core.config import RouterConfig, load_config_file, parse_conf
 from prefix_router.core.errors import ConfigError, FleetError, StartupError
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.logs import setup_logging
+from prefix_router.state.clock import CLOCK_SCALE_HELP, parse_clock_scale, scaled_clock
 from prefix_router.state.redis_url import resolve_redis_url
 from prefix_router.state.store import DEFAULT_NAMESPACE, StateStore, watch_state
 
@@ -87,6 +88,9 @@ class Settings:
     model_discovery: bool = False
     """Learn each instance's models from its ``GET /v1/models`` (control_plane/models.py)."""
     model_discovery_interval_s: float = 2.0
+    clock_scale: float = 1.0
+    """The instances' seconds per wall second (a simulated fleet's time scale): the fleet
+    view's windows, and so the prefill rates it learns, are in the instances' seconds."""
 
 
 def load_fleet_file(path: str) -> tuple[Fleet, RouterConfig | None]:
@@ -163,6 +167,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         window_s=settings.fleet_window_s,
         timeout_s=settings.fleet_scrape_timeout_s,
         metrics_path=settings.fleet_metrics_path,
+        clock=scaled_clock(settings.clock_scale),
     )
     service = AdminService(
         store,
@@ -326,6 +331,7 @@ def _parser() -> argparse.ArgumentParser:
         default=2.0,
         help="seconds between two rounds of model discovery",
     )
+    p.add_argument("--clock-scale", type=parse_clock_scale, default=1.0, help=CLOCK_SCALE_HELP)
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -356,6 +362,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fleet_metrics_path=args.fleet_metrics_path,
         model_discovery=args.discover_models,
         model_discovery_interval_s=args.model_discovery_interval,
+        clock_scale=args.clock_scale,
     )
 
     async def main_async() -> None:

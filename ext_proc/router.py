@@ -27,6 +27,7 @@ from prefix_router.core.decision import Outcome
 from prefix_router.core.key import Fallback, PrefixKey, extract_key
 from prefix_router.core.pools import unknown_model_body
 from prefix_router.core.table import RoutingTable
+from prefix_router.state.clock import scaled_clock
 from prefix_router.state.routing import InProcessStore, Routed, RoutingStore, StateUnavailable
 
 log = logging.getLogger("prefix_router.ext_proc")
@@ -94,11 +95,14 @@ class RequestRouter:
         table: RoutingTable,
         store: RoutingStore | None,
         callbacks: RouterCallbacks | None = None,
+        clock_scale: float = 1.0,
     ) -> None:
         """``store`` is the state shared with the other replicas; None: this replica
-        routes alone, on its own state."""
+        routes alone, on its own state. ``clock_scale``: the instances' seconds per wall
+        second (1 for vLLM; a simulator's time scale), so modelled queues drain at the
+        speed the instances work."""
         self.table = table
-        self.local = InProcessStore()
+        self.local = InProcessStore(scaled_clock(clock_scale))
         """This replica's own state: all of it when alone, else decided on while the
         shared store is unavailable."""
         self.alone = store is None

@@ -30,6 +30,7 @@ from prefix_router.core.config import RouterConfig, load_config_file
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.table import RoutingTable
 from prefix_router.logs import setup_logging
+from prefix_router.state.clock import CLOCK_SCALE_HELP, parse_clock_scale
 from prefix_router.state.redis_url import resolve_redis_url
 from prefix_router.state.routing import RoutingStore
 from prefix_router.state.routing.redis_store import RedisStore
@@ -112,13 +113,16 @@ async def serve(
 
 
 async def _routing_store(
-    redis_url: str | None, namespace: str, config: RouterConfig
+    redis_url: str | None, namespace: str, config: RouterConfig, clock_scale: float = 1.0
 ) -> RoutingStore | None:
     """The fleet's routing state in Redis when given one; None: this replica routes alone."""
     if redis_url is None:
         return None
     return await RedisStore.connect(
-        redis_url, namespace=namespace, timeout_s=config.redis_timeout_ms / 1000
+        redis_url,
+        namespace=namespace,
+        timeout_s=config.redis_timeout_ms / 1000,
+        clock_scale=clock_scale,
     )
 
 
@@ -147,6 +151,12 @@ def _parser() -> argparse.ArgumentParser:
         default=Transport.HTTP2,
         help="gRPC server: our HTTP/2 (default) or grpcio (the fallback)",
     )
+    p.add_argument(
+        "--clock-scale",
+        type=parse_clock_scale,
+        default=1.0,
+        help=CLOCK_SCALE_HELP,
+    )
     p.add_argument("--log-level", default="INFO")
     add_flags(p)
     return p
@@ -169,7 +179,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         loop = asyncio.get_running_loop()
         for sig in (signal.SIGINT, signal.SIGTERM):
             loop.add_signal_handler(sig, stop.set)
-        store = await _routing_store(args.redis_url, args.namespace, config)
+        store = await _routing_store(args.redis_url, args.namespace, config, args.clock_scale)
         callbacks = PrometheusCallbacks()
         if args.metrics_port:
             start_http_server(
@@ -177,7 +187,9 @@ def main(argv: Sequence[str] | None = None) -> int:
                 addr=args.metrics_host or args.host,
                 registry=callbacks.registry,
             )
-        router = RequestRouter(RoutingTable.build(fleet, config), store, callbacks)
+        router = RequestRouter(
+            RoutingTable.build(fleet, config), store, callbacks, clock_scale=args.clock_scale
+        )
         follower = None
         if args.redis_url and not args.backend:  # no static fleet: follow the control plane's
             follower = asyncio.create_task(

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import argparse
 import asyncio
 import json
 import random
+import time
 from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
@@ -16,6 +18,7 @@ from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.index import SLOT_BYTES
 from prefix_router.core.key import PrefixKey, extract_key
 from prefix_router.core.table import RoutingTable
+from prefix_router.state.clock import parse_clock_scale, scaled_clock
 from prefix_router.state.routing import InProcessStore, Routed, RoutingStore, StateUnavailable
 from prefix_router.state.routing.redis_store import RedisStore
 from tests.conftest import REDIS_URL
@@ -244,3 +247,42 @@ async def test_redis_counts_decisions_keeps_recent_spills_and_bounds_the_index(
     finally:
         await store.close()
         await client.aclose()
+
+
+@pytest.mark.parametrize("scale", [1.0, 0.001])
+async def test_the_stores_clock_runs_at_the_instances_speed(namespace: str, scale: float) -> None:
+    """A simulated fleet at time scale s works s times wall speed: with ``clock_scale``
+    the modelled prefill ends are on its clock (Redis's TIME, or the monotonic clock, times
+    s), so queues drain as fast as its instances work."""
+    slow = RoutingTable.build(
+        FLEET, CONFIG.patched({"instance_defaults": {"prefill_tokens_per_s": 1000.0}})
+    )
+    body = doc("clocked")
+    shared = await RedisStore.connect(
+        REDIS_URL, namespace=namespace, timeout_s=1.0, clock_scale=scale
+    )
+    try:
+        before = time.time() * scale
+        routed = await shared.route(key(body), slow)
+        after = time.time() * scale
+    finally:
+        await shared.close()
+    prefill_s = routed.decision.prefill_tokens / 1000.0
+    assert before + prefill_s - 0.01 <= routed.prefill_end <= after + prefill_s + 0.01
+    local = InProcessStore(scaled_clock(scale))
+    before = time.monotonic() * scale
+    routed = await local.route(key(body), slow)
+    assert before + prefill_s <= routed.prefill_end <= time.monotonic() * scale + prefill_s
+
+
+@pytest.mark.parametrize(
+    ("text", "scale"), [("1", 1.0), ("0.125", 0.125), ("4", 4.0), ("0", None), ("-1", None),
+                        ("inf", None), ("nan", None), ("fast", None)]
+)  # fmt: skip
+def test_a_clock_scale_is_a_positive_number(text: str, scale: float | None) -> None:
+    if scale is None:
+        with pytest.raises(argparse.ArgumentTypeError, match="positive number"):
+            parse_clock_scale(text)
+        return
+    assert parse_clock_scale(text) == scale
+    assert scaled_clock(scale)() == pytest.approx(time.monotonic() * scale, rel=1e-3)

@@ -48,6 +48,26 @@ def test_invalid_settings_are_one_clear_message(tmp_path: Path) -> None:
         resolve_settings(["--config", str(bad)], {})
 
 
+@pytest.mark.parametrize(
+    ("args", "scale"),
+    [
+        ([], 1.0),
+        (["--sim-time-scale", "4"], 4.0),  # the router's clocks run as its simulators do
+        (["--backend", "http://10.0.0.1:8000", "--sim-time-scale", "4"], 1.0),  # real vLLM
+        (["--backend", "http://10.0.0.1:8000", "--clock-scale", "0.25"], 0.25),
+        (["--sim-time-scale", "4", "--clock-scale", "2"], 2.0),
+    ],
+)
+def test_the_routers_clock_runs_at_its_instances_speed(args: list[str], scale: float) -> None:
+    settings, _ = resolve_settings(args, {})
+    assert settings.instance_clock_scale == scale
+
+
+def test_a_clock_scale_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="clock_scale"):
+        resolve_settings(["--clock-scale", "0"], {})
+
+
 def chat(client: httpx.Client, port: int) -> httpx.Response:
     body = {
         "model": "meta-llama/Llama-3.1-70B-Instruct",

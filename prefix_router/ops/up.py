@@ -92,12 +92,25 @@ class UpSettings(BaseModel):
         "instances; the control plane then discovers the pools",
     )
     backend: list[str] = Field(default_factory=list, description="real backend URLs")
+    clock_scale: float | None = Field(
+        None,
+        gt=0,
+        description="the instances' seconds per wall second: default --sim-time-scale for "
+        "simulated instances, 1 with --backend (set it for simulators run at a time scale)",
+    )
     fleet: str | None = Field(None, description="fleet YAML (instances and routing)")
     config: str | None = Field(None, description="routing config YAML")
     redis_url: str | None = Field(None, description="Redis to share state and counts")
     namespace: str = Field("prefix-router-local:", description="Redis key prefix; cleared at start")
     admin_token: str | None = Field(None, description="admin API bearer token")
     run_dir: str = Field("run", description="logs, rendered configs, the lock")
+
+    @property
+    def instance_clock_scale(self) -> float:
+        """What the router's clocks run at: its modelled queues drain as its instances work."""
+        if self.clock_scale is not None:
+            return self.clock_scale
+        return 1.0 if self.backend else self.sim_time_scale
 
     @model_validator(mode="after")
     def _distinct_ports(self) -> UpSettings:
@@ -402,6 +415,8 @@ class Stack:
                 str(fleet_file),
                 # real backends, or simulators serving several models: learn the pools
                 *(["--discover-models"] if s.backend or s.sim_serve else []),
+                "--clock-scale",
+                f"{s.instance_clock_scale:g}",
             ),
             self.log_dir / "control-plane.log",
             env=env,
@@ -427,6 +442,8 @@ class Stack:
                         s.namespace,
                         "--metrics-port",
                         str(metrics_port),
+                        "--clock-scale",
+                        f"{s.instance_clock_scale:g}",
                     ],
                 ),
                 ready=self._answers(port),
@@ -440,6 +457,7 @@ class Stack:
         config_file = self.run_dir / "routing.json"
         config_file.write_text(json.dumps(self.config.to_json_dict()))
         args = ["--host", s.host, "--config", str(config_file)]
+        args += ["--clock-scale", f"{s.instance_clock_scale:g}"]
         for inst in self.fleet.instances:
             args += ["--backend", inst.to_url()]
         self._add(

@@ -51,9 +51,11 @@ class SyncArgs:
     def __bool__(self) -> bool:
         return bool(self.reserves or self.releases or self.admits or self.writes or self.slots)
 
-    def pack(self) -> bytes:
-        """The script's ``ARGV[2]``. Strings go as MessagePack's raw type (``cmsgpack``
-        in Redis 7 reads no bin type); an :class:`EntryWrite` goes as its fields."""
+    def pack(self, clock_scale: float = 1.0) -> bytes:
+        """The script's ``ARGV[1]``; ``clock_scale`` multiplies Redis's clock (see
+        :attr:`~.redis_store.RedisStore.clock_scale`). Strings go as MessagePack's raw
+        type (``cmsgpack`` in Redis 7 reads no bin type); an :class:`EntryWrite` goes as
+        its fields."""
         packed: bytes = msgpack.packb(
             (
                 ENTRY_BYTES,
@@ -65,6 +67,7 @@ class SyncArgs:
                 self.writes,
                 self.instances,
                 self.slots,
+                clock_scale,
             ),
             use_bin_type=False,
         )
@@ -87,7 +90,7 @@ SYNC = """
 local a = cmsgpack.unpack(ARGV[1])
 local entry_bytes, slot_bytes, keep = a[1], a[2], a[3]
 local t = redis.call('TIME')
-local now = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local now = (tonumber(t[1]) + tonumber(t[2]) / 1e6) * (a[10] or 1)
 local function pad(s, n)
   if #s < n then return s .. string.rep('\\0', n - #s) end
   return s

@@ -98,8 +98,13 @@ class RedisStore:
         namespace: str = "prefix-router:",
         replica: str | None = None,
         round_trip_timeout_s: float = 0.05,
+        clock_scale: float = 1.0,
     ) -> None:
         self.redis = client
+        self.clock_scale = clock_scale
+        """Seconds of the instances' clock per second of Redis's: 1 for vLLM; a simulated
+        fleet at time scale s runs s times wall speed, and the queues the store models
+        (prefill ends, backlogs) must drain at the speed its instances work."""
         self.round_trip_timeout_s = round_trip_timeout_s
         self.namespace = namespace
         self.replica = replica or uuid.uuid4().hex[:12]
@@ -139,6 +144,7 @@ class RedisStore:
         namespace: str = "prefix-router:",
         timeout_s: float = 0.05,
         replica: str | None = None,
+        clock_scale: float = 1.0,
     ) -> RedisStore:
         """A store on ``url``; works (degraded) even if Redis is down right now."""
         client = aioredis.Redis.from_url(
@@ -148,7 +154,13 @@ class RedisStore:
             max_connections=256,
             health_check_interval=0,
         )
-        store = cls(client, namespace=namespace, replica=replica, round_trip_timeout_s=timeout_s)
+        store = cls(
+            client,
+            namespace=namespace,
+            replica=replica,
+            round_trip_timeout_s=timeout_s,
+            clock_scale=clock_scale,
+        )
         # Load the script now, so the first requests' round trip is not three.
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             async with asyncio.timeout(max(timeout_s, 0.5)):
@@ -223,7 +235,7 @@ class RedisStore:
                         self._last_slots_log2 = table.rule.slots_log2
                     if args and self._last_keys:
                         keys = self._last_keys
-                        reply = await self._sync(keys=keys, args=[args.pack()])
+                        reply = await self._sync(keys=keys, args=[args.pack(self.clock_scale)])
             except Exception as exc:  # noqa: BLE001 - the flusher must outlive any failure
                 if not isinstance(exc, RedisError | OSError | TimeoutError):
                     log.warning("routing store round trip failed unexpectedly: %r", exc)
