@@ -1,7 +1,7 @@
 """Reproduce bench/results/capacity: capacity at a TTFT objective, per policy and workload.
 
     python bench/scripts/capacity.py sweep    # every workload x policy in the DES (~45 min)
-    python bench/scripts/capacity.py live     # one knee through the real stack vs the DES
+    python bench/scripts/capacity.py live     # knees on 2 instances, live vs the DES
     python bench/scripts/capacity.py report   # rebuild report.md and the PNGs
 
 ``sweep --only rag,unique`` runs a subset (the others' results are kept); ``--jobs 2`` (the
@@ -73,17 +73,39 @@ in bench/scripts/routing_defaults.py (:data:`SCALE`: pools of prompts 3.5x the o
 defaults, so one instance cannot cache them all; :data:`THINK`: shorter think times). A
 workload bench/workloads.py does not have is skipped with a note."""
 
+ALL = ",".join(WORKLOADS)
+
 FLEET_POLICIES = "round-robin,prefix,prefix-spill"
 """The fleet search (4-64 instances at round robin's capacity) for these only: it costs as
 much as a capacity search per policy."""
 
-LIVE_WORKLOAD = "system-prompt"
 LIVE_FLEET = ["--instances", "2", "--num-gpu-blocks", "28750", "--prefill-tokens-per-s", "12000"]
-LIVE_WORKLOAD_ARGS = ["--set", "prompts=42"]
-"""Two instances (all the 2-core machine runs live at a knee), with a quarter of the sweep's
-168 system prompts: the same prompts per instance as in the sweep."""
+LIVE_WORKLOADS: dict[str, tuple[list[str], float]] = {
+    "system-prompt": (["--set", "prompts=42"], 8.0),
+    "rag": (["--set", "docs=84"], 8.0),
+    "code": (["--set", "files=42"], 10.0),
+    "group-prompts": (["--set", "groups=32"], 20.0),
+    "hot-prefix": (["--set", "prompts=42"], 4.0),
+    "unique": ([], 4.0),
+}
+"""The workloads checked live, each on two instances (all the 2-core machine runs live at a
+knee) with a quarter of the sweep's pool of prompts, documents, files or groups (the same
+per instance as in the sweep), and where its 2-instance knee search starts. The multi-turn
+workloads are not run live: at their knees a run that reaches steady state is ~10,000
+requests, hours at a time scale the host keeps up with."""
 LIVE_REQUESTS = 1200
-LIVE_TIME_SCALE = "2"
+LIVE_REAL_RATE = 5.0
+"""Requests per wall-clock second the live stack is driven at: the time scale is
+``LIVE_REAL_RATE / knee`` (at most 1). The simulated clock stands still between steps, so
+the host's own time between steps compresses arrivals in simulated time; at the first live
+check (time scale 2, 79 requests per wall second on 2 cores) that made the knee's P50 26x
+the DES's. System prompts at 39.55 requests/s: P50 live/DES 26x at time scale 2, 1.47x at
+0.5, 1.15x at 0.25, 1.07x at 0.125 (4.9 requests per wall second); hit rate equal at all
+but 2."""
+
+
+def live_time_scale(knee: float) -> float:
+    return round(min(1.0, LIVE_REAL_RATE / knee), 4)
 
 
 def run(args: list[str]) -> None:
@@ -120,16 +142,17 @@ def sweep(chosen: list[str], jobs: int, policies: str) -> None:
     print(f"sweep: {time.monotonic() - began:.0f} s wall", flush=True)
 
 
-def live() -> None:
-    """prefix-spill's knee on two instances in the DES, then that rate through the real
-    stack and again in the DES with the same seed; both judged on the same window as the
-    search judges a run (``live.md``), and report.md's DES-vs-live table."""
+def live_knee(name: str) -> None:
+    """prefix-spill's knee for ``name`` on two instances in the DES, unless saved."""
+    args, start = LIVE_WORKLOADS[name]
+    if (KNEE / f"{name}.json").exists():
+        return
     run(
         [
             "capacity",
             "--workload",
-            LIVE_WORKLOAD,
-            *LIVE_WORKLOAD_ARGS,
+            name,
+            *args,
             *LIVE_FLEET,
             "--policies",
             "prefix-spill",
@@ -138,70 +161,96 @@ def live() -> None:
             "--warmup",
             "0.5",
             "--start",
-            "8",
+            f"{start:g}",
             "--fleet-load",
             "0",
             "--out",
             str(KNEE),
         ]
     )
-    saved = orjson.loads((KNEE / f"{LIVE_WORKLOAD}.json").read_bytes())
-    knee = saved["capacities"][0]["search"]["lo"]
-    same = [
-        "--workload",
-        LIVE_WORKLOAD,
-        *LIVE_WORKLOAD_ARGS,
-        *LIVE_FLEET,
-        "--policies",
-        "prefix-spill",
-        "--rate",
-        f"{knee:g}",
-        "--requests",
-        str(LIVE_REQUESTS),
-        "--seed",
-        "1",
-        "--out",
-        str(LIVE),
-    ]
-    run(["des", *same])
-    run(["run", *same, "--time-scale", LIVE_TIME_SCALE, "--ext-procs", "1"])
-    compare(knee)
 
 
-def compare(rate: float) -> None:
-    """The live run and the DES run at ``rate``, over the window the search measures."""
+def live(chosen: list[str]) -> None:
+    """Per workload: prefix-spill's knee on two instances in the DES (searched once, then
+    reused from ``live-knee/``), then that rate through the real stack and in the DES with
+    the same seed; both judged on the window the search judges a run by (``live.md``)."""
+    rows: list[str] = []
+    for name in chosen:
+        if name not in LIVE_WORKLOADS:
+            print(f"- {name}: not checked live (see LIVE_WORKLOADS)", flush=True)
+            continue
+        args, _ = LIVE_WORKLOADS[name]
+        live_knee(name)
+        saved = orjson.loads((KNEE / f"{name}.json").read_bytes())
+        knee = saved["capacities"][0]["search"]["lo"]
+        if not knee:
+            print(f"- {name}: no knee on two instances", flush=True)
+            continue
+        scale = live_time_scale(knee)
+        same = [
+            "--workload",
+            name,
+            *args,
+            *LIVE_FLEET,
+            "--policies",
+            "prefix-spill",
+            "--rate",
+            f"{knee:g}",
+            "--requests",
+            str(LIVE_REQUESTS),
+            "--seed",
+            "1",
+            "--out",
+            str(LIVE),
+        ]
+        run(["des", *same])
+        run(["run", *same, "--time-scale", f"{scale:g}", "--ext-procs", "1"])
+        rows += compare_rows(name, knee, scale)
+    write_live(rows)
+
+
+def compare_rows(name: str, rate: float, scale: float) -> list[str]:
+    """Table rows: the live run and the DES run of ``name`` at ``rate``, over the window
+    the capacity search measures."""
     from bench.capacity import Objective, measure
     from bench.results import RunResult
 
-    folder = LIVE / LIVE_WORKLOAD
-    rows = []
+    folder = LIVE / name
+    probes = []
     for mode in ("des", "live"):
         result = RunResult.load(folder / f"{mode}-prefix-spill.json")
         last = max(r.arrival_s for r in result.records)
-        probe = measure(result, (0.5 * last, last), Objective(), rate=rate, instances=2, seed=1)
-        rows.append((mode, probe, result))
-    (des, d, _), (_, v, live_result) = rows
-    lines = [
-        f"# Live vs DES at prefix-spill's knee ({rate:g} requests/s, 2 instances)",
-        "",
-        f"`bench/scripts/capacity.py live`: {LIVE_WORKLOAD} ({' '.join(LIVE_WORKLOAD_ARGS)}),"
-        f" {LIVE_REQUESTS} requests, seed 1, live at time scale {LIVE_TIME_SCALE}; both "
-        "judged on the second half of the arrivals, as the capacity search judges a run.",
-        "",
-        "| measure | DES | live | live / DES |",
-        "|---|---|---|---|",
-    ]
-    for name, a, b in (
+        probes.append(
+            measure(result, (0.5 * last, last), Objective(), rate=rate, instances=2, seed=1)
+        )
+    d, v = probes
+    head = f"{name} at {rate:g} req/s, time scale {scale:g}"
+    rows = []
+    for what, a, b in (
         ("TTFT P50 ms", d.p50_s * 1000, v.p50_s * 1000),
         ("TTFT P99 ms", d.p99_s * 1000, v.p99_s * 1000),
         ("hit rate", d.hit_rate, v.hit_rate),
         ("goodput req/s", d.goodput_rps, v.goodput_rps),
-        ("output tok/s", d.goodput_tps, v.goodput_tps),
     ):
-        lines.append(f"| {name} | {a:,.3g} | {b:,.3g} | {b / a:.2f} |")
-    lines += [
+        rows.append(f"| {head} | {what} | {a:,.3g} | {b:,.3g} | {b / a:.2f} |")
+        head = ""
+    rows.append(f"| | objective met | {d.passed} | {v.passed} | |")
+    return rows
+
+
+def write_live(rows: list[str]) -> None:
+    lines = [
+        "# Live vs DES at prefix-spill's knee (2 instances)",
         "",
-        f"Objective met: DES {d.passed}, live {v.passed}; live errors {live_result.errors}.",
+        f"`bench/scripts/capacity.py live`: per workload, prefix-spill's knee on two instances"
+        f" in the DES, then {LIVE_REQUESTS} requests at that rate through the real stack"
+        f" (Envoy, one ext_proc, the control plane, Redis, the simulator) at a time scale of"
+        f" {LIVE_REAL_RATE:g} requests per wall second over the knee, and in the DES, seed 1;"
+        " both judged on the second half of the arrivals, as the capacity search judges a run.",
+        "",
+        "| workload | measure | DES | live | live / DES |",
+        "|---|---|---|---|---|",
+        *rows,
         "",
     ]
     out = OUT / "live.md"
@@ -213,9 +262,8 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("part", choices=("sweep", "live", "compare", "report"))
-    parser.add_argument("--rate", type=float, help="compare: the knee the live run used")
-    parser.add_argument("--only", default=",".join(WORKLOADS), help="comma-separated workloads")
+    parser.add_argument("part", choices=("sweep", "live-knees", "live", "report"))
+    parser.add_argument("--only", default=ALL, help="comma-separated workloads")
     parser.add_argument("--jobs", type=int, default=2, help="policies searched at once")
     parser.add_argument(
         "--policies",
@@ -223,12 +271,15 @@ def main() -> None:
         help="e.g. cache-aware: add one policy to saved results (the others are kept)",
     )
     args = parser.parse_args()
+    chosen = [w for w in args.only.split(",") if w]
+    checked = chosen if args.only != ALL else list(LIVE_WORKLOADS)
     if args.part == "sweep":
-        sweep([w for w in args.only.split(",") if w], args.jobs, args.policies)
+        sweep(chosen, args.jobs, args.policies)
+    elif args.part == "live-knees":
+        for name in checked:
+            live_knee(name)
     elif args.part == "live":
-        live()
-    elif args.part == "compare":
-        compare(args.rate)
+        live(checked)
     else:
         from bench.capacity import write_report
 
