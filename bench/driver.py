@@ -40,12 +40,19 @@ class DriverSettings:
     model: str
     time_scale: float = 1.0
     request_timeout_s: float = 600.0
-    """Wall seconds one request may take."""
+    """Seconds one request may take, on the instances' clock: a simulated fleet at time
+    scale s gets ``request_timeout_s / s`` wall seconds (:attr:`request_deadline_s`), so
+    a slowed-down run times out the same requests as one at full speed."""
     max_duration_s: float = 3600.0
     """Wall seconds the whole run may take."""
     max_in_flight: int = 2048
     instance_header: str = "x-sim-instance"
     """Response header naming the instance that served (the simulator sets it)."""
+
+    @property
+    def request_deadline_s(self) -> float:
+        """Wall seconds one request may take (never past the run's own bound)."""
+        return min(self.request_timeout_s / self.time_scale, self.max_duration_s)
 
 
 @dataclass(slots=True)
@@ -113,7 +120,7 @@ class _Run:
             return None
         self.active += 1
         try:
-            async with asyncio.timeout(s.request_timeout_s):
+            async with asyncio.timeout(s.request_deadline_s):
                 await self._stream(PATHS[turn.endpoint], body, sent_at, record, sent)
         except TimeoutError:
             record.error = "timeout"
