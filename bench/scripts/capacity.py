@@ -174,7 +174,6 @@ def live(chosen: list[str]) -> None:
     """Per workload: prefix-spill's knee on two instances in the DES (searched once, then
     reused from ``live-knee/``), then that rate through the real stack and in the DES with
     the same seed; both judged on the window the search judges a run by (``live.md``)."""
-    rows: list[str] = []
     for name in chosen:
         if name not in LIVE_WORKLOADS:
             print(f"- {name}: not checked live (see LIVE_WORKLOADS)", flush=True)
@@ -205,7 +204,19 @@ def live(chosen: list[str]) -> None:
         ]
         run(["des", *same])
         run(["run", *same, "--time-scale", f"{scale:g}", "--ext-procs", "1"])
-        rows += compare_rows(name, knee, scale)
+    live_report(chosen)
+
+
+def live_report(chosen: list[str]) -> None:
+    """``live.md`` from the saved live and DES runs (``live`` ends with it)."""
+    rows: list[str] = []
+    for name in chosen:
+        folder = LIVE / name
+        if name not in LIVE_WORKLOADS or not (folder / "live-prefix-spill.json").exists():
+            continue
+        saved = orjson.loads((KNEE / f"{name}.json").read_bytes())
+        knee = saved["capacities"][0]["search"]["lo"]
+        rows += compare_rows(name, knee, live_time_scale(knee))
     write_live(rows)
 
 
@@ -224,6 +235,7 @@ def compare_rows(name: str, rate: float, scale: float) -> list[str]:
             measure(result, (0.5 * last, last), Objective(), rate=rate, instances=2, seed=1)
         )
     d, v = probes
+    errors = RunResult.load(folder / "live-prefix-spill.json").errors
     head = f"{name} at {rate:g} req/s, time scale {scale:g}"
     rows = []
     for what, a, b in (
@@ -232,9 +244,10 @@ def compare_rows(name: str, rate: float, scale: float) -> list[str]:
         ("hit rate", d.hit_rate, v.hit_rate),
         ("goodput req/s", d.goodput_rps, v.goodput_rps),
     ):
-        rows.append(f"| {head} | {what} | {a:,.3g} | {b:,.3g} | {b / a:.2f} |")
+        versus = f"{b / a:.2f}" if a else "-"
+        rows.append(f"| {head} | {what} | {a:,.3g} | {b:,.3g} | {versus} |")
         head = ""
-    rows.append(f"| | objective met | {d.passed} | {v.passed} | |")
+    rows.append(f"| | objective met | {d.passed} | {v.passed} (errors: {errors}) | |")
     return rows
 
 
@@ -262,7 +275,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("part", choices=("sweep", "live-knees", "live", "report"))
+    parser.add_argument("part", choices=("sweep", "live-knees", "live", "live-report", "report"))
     parser.add_argument("--only", default=ALL, help="comma-separated workloads")
     parser.add_argument("--jobs", type=int, default=2, help="policies searched at once")
     parser.add_argument(
@@ -280,6 +293,8 @@ def main() -> None:
             live_knee(name)
     elif args.part == "live":
         live(checked)
+    elif args.part == "live-report":
+        live_report(checked)
     else:
         from bench.capacity import write_report
 
