@@ -8,6 +8,7 @@ benchmark at ``s`` != 1 measures a router whose queues drain at the wrong speed.
 
 from __future__ import annotations
 
+import argparse
 import time
 from collections.abc import Callable
 
@@ -29,8 +30,6 @@ CLOCK_SCALE_HELP = (
 
 def parse_clock_scale(text: str) -> float:
     """``--clock-scale``'s argparse type: a positive, finite number."""
-    import argparse
-
     try:
         value = float(text)
     except ValueError:
