@@ -131,6 +131,13 @@ def _capacity_args(p: argparse.ArgumentParser) -> None:
     g.add_argument("--p50", type=float, default=0.5, help="P50 TTFT bound (s)")
     g.add_argument("--p99", type=float, default=2.0, help="P99 TTFT bound (s)")
     g.add_argument("--max-errors", type=int, default=0)
+    g.add_argument(
+        "--min-served",
+        type=float,
+        default=0.9,
+        help="requests completed in the window per second, at least this fraction of the "
+        "offered rate (the fleet keeps up; 0: not checked)",
+    )
     g = p.add_argument_group("each run")
     g.add_argument("--run-requests", type=int, default=2000, help="at least this many")
     g.add_argument(
@@ -324,7 +331,9 @@ def _des(args: argparse.Namespace) -> int:
 def _capacity(args: argparse.Namespace) -> int:
     from bench import capacity
 
-    objective = capacity.Objective(p50_s=args.p50, p99_s=args.p99, max_errors=args.max_errors)
+    objective = capacity.Objective(
+        p50_s=args.p50, p99_s=args.p99, max_errors=args.max_errors, min_served=args.min_served
+    )
     plan = capacity.RunPlan(
         requests=args.run_requests, min_duration_s=args.min_duration, warmup=args.warmup
     )

@@ -187,6 +187,32 @@ def test_the_objective_verdict(
     assert probe.passed is passed
 
 
+def answered(at: float, ttft: float, e2e: float) -> RequestRecord:
+    return RequestRecord(arrival_s=at, instance="a", ttft_s=ttft, e2e_s=e2e, output_tokens=10)
+
+
+def test_a_fleet_that_falls_behind_fails_however_fast_its_first_tokens() -> None:
+    # 10 requests/s for 10 s, first tokens at once, but every answer takes 20 s: decoding
+    # has fallen behind and nothing completes in the window.
+    behind = [answered(t * 0.1, 0.1, 20.0) for t in range(100)]
+    probe = measure(result_of(behind), (0.0, 10.0), Objective(), rate=10, instances=1, seed=1)
+    assert probe.p99_s == pytest.approx(0.1) and probe.completed == 0
+    assert not probe.passed and probe.served_fraction == 0.0
+    unchecked = Objective(min_served=0.0)
+    assert measure(result_of(behind), (0.0, 10.0), unchecked, rate=10, instances=1, seed=1).passed
+
+
+def test_a_conversation_workload_sent_half_its_turns_fails() -> None:
+    # Offered 10 turns/s, but each next turn waited for a slow answer: 5/s were sent.
+    throttled = [answered(t * 0.2, 0.1, 0.5) for t in range(50)]
+    probe = measure(result_of(throttled), (0.0, 10.0), Objective(), rate=10, instances=1, seed=1)
+    assert probe.completed == 48 and probe.served_fraction == pytest.approx(0.48)
+    assert not probe.passed
+    kept_up = [answered(t * 0.1, 0.1, 0.5) for t in range(100)]
+    probe = measure(result_of(kept_up), (0.0, 10.0), Objective(), rate=10, instances=1, seed=1)
+    assert probe.served_fraction == pytest.approx(0.96) and probe.passed
+
+
 TINY = [
     "--set",
     "prompts=4",

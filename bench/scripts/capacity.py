@@ -35,16 +35,20 @@ FLEET = ["--instances", "8", "--num-gpu-blocks", "28750", "--prefill-tokens-per-
 """Eight Llama-3.1-70B / 8xH100 instances with 460k tokens of KV cache each (28,750 blocks
 of 16) and a prefill rate of 12,000 tokens/s: the fleet every capacity figure is for."""
 
-SINGLE_TURN = ["--run-requests", "5000", "--warmup", "0.5"]
-"""5,000 requests a run, the first half not measured: every prompt has been placed (168
-prompts need ~1,000 requests to all appear once) and each instance's cache has turned over,
-so the 2,500 measured are in steady state (prefix-spill, system prompts at 30 requests/s:
-89.6% hit rate and P99 1,070 ms in the window, 90.0% and 1,047 ms in a 9,000-request run;
-2,000-request runs measured the warm-up and failed)."""
-MULTI_TURN = ["--run-requests", "3000", "--min-duration", "100", "--warmup", "0.5", "--seeds", "2"]
-"""At least 100 s of new conversations, the first half not measured (conversations with the
-think times of :data:`THINK` live ~30-40 s), two seeds: at the knees of chat (~200
-requests/s) a run is 20,000 requests, 10,000 measured."""
+SINGLE_TURN = ["--run-requests", "5000", "--min-duration", "60", "--warmup", "0.5"]
+"""5,000 requests and 60 model seconds a run, the first half not measured: every prompt has
+been placed (168 prompts need ~1,000 requests to all appear once) and each instance's cache
+has turned over, so the 2,500 measured are in steady state (prefix-spill, system prompts at
+30 requests/s: 89.6% hit rate and P99 1,070 ms in the window, 90.0% and 1,047 ms in a
+9,000-request run; 2,000-request runs measured the warm-up and failed); and a request
+decoding hundreds of tokens on a busy instance takes 10-30 s, so the 30 s of warm-up let
+completions catch up with arrivals before the window checks that they keep up."""
+MULTI_TURN = ["--run-requests", "3000", "--min-duration", "300", "--warmup", "0.5", "--seeds", "2"]
+"""At least 300 s of new conversations, the first half not measured, two seeds. A turn is
+sent only after the last one's answer, so a conversation lives six turns of 10-40 s each
+near the knee (long-system-chat: e2e P50 17 s with prefix-spill, 37 s with round robin at
+70 turns/s); with 100 s runs the window saw the fleet still filling, and the turns sent
+into it were 45-70% of the offered rate at every rate tried."""
 
 
 def scaled(workload: str) -> list[str]:
@@ -59,8 +63,8 @@ def scaled(workload: str) -> list[str]:
 WORKLOADS: dict[str, list[str]] = {
     "system-prompt": [*SINGLE_TURN, "--start", "2,prefix=150,prefix-spill=30,cache-aware=150"],
     "rag": [*SINGLE_TURN, "--start", "4,prefix=100,prefix-spill=35,cache-aware=100"],
-    "chat": [*MULTI_TURN, "--start", "190,prefix=250,prefix-spill=250"],
-    "long-system-chat": [*MULTI_TURN, "--start", "150,prefix=250,prefix-spill=200"],
+    "chat": [*MULTI_TURN, "--start", "100,prefix=130,prefix-spill=130,cache-aware=130"],
+    "long-system-chat": [*MULTI_TURN, "--start", "40,prefix=10,prefix-spill=55,cache-aware=55"],
     "trace-like": [*MULTI_TURN, "--start", "30,prefix=50,prefix-spill=40"],
     "code": [*SINGLE_TURN, "--start", "40,prefix=60,prefix-spill=50"],
     "group-prompts": [*SINGLE_TURN, "--start", "25,prefix=50,prefix-spill=40"],
