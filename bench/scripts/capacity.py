@@ -13,6 +13,7 @@ Every step is a ``prefix-router bench`` command, printed before it runs.
 from __future__ import annotations
 
 import argparse
+import math
 import shlex
 import sys
 import time
@@ -98,6 +99,16 @@ per instance as in the sweep), and where its 2-instance knee search starts. The 
 workloads are not run live: at their knees a run that reaches steady state is ~10,000
 requests, hours at a time scale the host keeps up with."""
 LIVE_REQUESTS = 1200
+LIVE_MIN_DURATION = 60.0
+"""And at least this many model seconds of arrivals: a knee judged on keeping up (requests
+completed in the window) needs the window to start after completions have caught up with
+arrivals, as in the sweep's single-turn runs."""
+
+
+def live_requests(knee: float) -> int:
+    return max(LIVE_REQUESTS, math.ceil(knee * LIVE_MIN_DURATION))
+
+
 LIVE_REAL_RATE = 5.0
 """Requests per wall-clock second the live stack is driven at: the time scale is
 ``LIVE_REAL_RATE / knee`` (at most 1). The simulated clock stands still between steps, so
@@ -162,6 +173,8 @@ def live_knee(name: str) -> None:
             "prefix-spill",
             "--run-requests",
             str(LIVE_REQUESTS),
+            "--min-duration",
+            f"{LIVE_MIN_DURATION:g}",
             "--warmup",
             "0.5",
             "--start",
@@ -200,7 +213,7 @@ def live(chosen: list[str]) -> None:
             "--rate",
             f"{knee:g}",
             "--requests",
-            str(LIVE_REQUESTS),
+            str(live_requests(knee)),
             "--seed",
             "1",
             "--out",
@@ -255,12 +268,56 @@ def compare_rows(name: str, rate: float, scale: float) -> list[str]:
     return rows
 
 
+SPREAD_SEEDS = range(1, 7)
+
+
+def seed_spread(chosen: list[str]) -> None:
+    """Each live knee's run in the DES with seeds 1-6: how much P50 and P99 of one
+    1,200-request run scatter there by themselves (what live-vs-DES agreement can be
+    held to)."""
+    from bench.capacity import Objective, measure
+    from bench.des import DesSettings, simulate
+    from bench.policies import Policy
+    from bench.workloads import generate
+    from prefix_router.core.config import RouterConfig
+    from vllm_sim.config import make_config
+
+    engine = make_config(num_gpu_blocks=28750, prefill_tokens_per_s=12000)
+    for name in chosen:
+        if name not in LIVE_WORKLOADS or not (KNEE / f"{name}.json").exists():
+            continue
+        args, _ = LIVE_WORKLOADS[name]
+        overrides: dict[str, str | int | float] = {}
+        for pair in args[1::2]:  # "--set k=v" pairs
+            k, _, v = pair.partition("=")
+            overrides[k] = v
+        knee = orjson.loads((KNEE / f"{name}.json").read_bytes())["capacities"][0]["search"]["lo"]
+        cells = []
+        for seed in SPREAD_SEEDS:
+            workload = generate(
+                name, {**overrides, "rate": knee, "requests": LIVE_REQUESTS, "seed": seed}
+            )
+            settings = DesSettings(
+                policy=Policy.PREFIX_SPILL,
+                engine=engine,
+                router=RouterConfig(),
+                instances=2,
+                seed=seed,
+            )
+            result = simulate(workload, settings)
+            last = max(r.arrival_s for r in result.records)
+            p = measure(result, (0.5 * last, last), Objective(), rate=knee, instances=2, seed=seed)
+            cells.append(f"{p.p50_s * 1000:,.0f}/{p.p99_s * 1000:,.0f}")
+        print(f"{name} at {knee:g} req/s, P50/P99 ms by seed: {', '.join(cells)}", flush=True)
+
+
 def write_live(rows: list[str]) -> None:
     lines = [
         "# Live vs DES at prefix-spill's knee (2 instances)",
         "",
         f"`bench/scripts/capacity.py live`: per workload, prefix-spill's knee on two instances"
-        f" in the DES, then {LIVE_REQUESTS} requests at that rate through the real stack"
+        f" in the DES, then {LIVE_REQUESTS:,} requests (at least {LIVE_MIN_DURATION:g} model"
+        f" seconds of them) at that rate through the real stack"
         f" (Envoy, one ext_proc, the control plane, Redis, the simulator) at a time scale of"
         f" {LIVE_REAL_RATE:g} requests per wall second over the knee, and in the DES, seed 1;"
         " both judged on the second half of the arrivals, as the capacity search judges a run.",
@@ -279,7 +336,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("part", choices=("sweep", "live-knees", "live", "live-report", "report"))
+    parser.add_argument(
+        "part", choices=("sweep", "live-knees", "live", "live-report", "seed-spread", "report")
+    )
     parser.add_argument("--only", default=ALL, help="comma-separated workloads")
     parser.add_argument("--jobs", type=int, default=2, help="policies searched at once")
     parser.add_argument(
@@ -299,6 +358,8 @@ def main() -> None:
         live(checked)
     elif args.part == "live-report":
         live_report(checked)
+    elif args.part == "seed-spread":
+        seed_spread(checked)
     else:
         from bench.capacity import write_report
 
