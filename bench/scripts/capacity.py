@@ -13,7 +13,6 @@ Every step is a ``prefix-router bench`` command, printed before it runs.
 from __future__ import annotations
 
 import argparse
-import math
 import shlex
 import sys
 import time
@@ -25,7 +24,12 @@ ROOT = Path(__file__).resolve().parents[2]
 """The repository root (results are written under ``bench/results``)."""
 
 from bench.cli import main as bench  # noqa: E402
-from bench.scripts.routing_defaults import SCALE, THINK  # noqa: E402
+from bench.scripts.routing_defaults import (  # noqa: E402
+    NUM_GPU_BLOCKS,
+    PREFILL_TOKENS_PER_S,
+    SCALE,
+    THINK,
+)
 from bench.workloads import WORKLOADS as KNOWN  # noqa: E402
 
 OUT = ROOT / "bench" / "results" / "capacity"
@@ -100,15 +104,11 @@ workloads are not run live: at their knees a run that reaches steady state is ~1
 requests, hours at a time scale the host keeps up with."""
 LIVE_REQUESTS = 1200
 LIVE_MIN_DURATION = 60.0
-"""And at least this many model seconds of arrivals: a knee judged on keeping up (requests
-completed in the window) needs the window to start after completions have caught up with
-arrivals, as in the sweep's single-turn runs."""
-
-
-def live_requests(knee: float) -> int:
-    return max(LIVE_REQUESTS, math.ceil(knee * LIVE_MIN_DURATION))
-
-
+"""The 2-instance knee search's runs last at least this many model seconds: a knee judged
+on keeping up (requests completed in the window) needs the window to start after
+completions have caught up with arrivals, as in the sweep's single-turn runs. The live run
+at the knee and its DES twin stay at :data:`LIVE_REQUESTS`: they are compared with each
+other, not judged."""
 LIVE_REAL_RATE = 5.0
 """Requests per wall-clock second the live stack is driven at: the time scale is
 ``LIVE_REAL_RATE / knee`` (at most 1). The simulated clock stands still between steps, so
@@ -213,7 +213,7 @@ def live(chosen: list[str]) -> None:
             "--rate",
             f"{knee:g}",
             "--requests",
-            str(live_requests(knee)),
+            str(LIVE_REQUESTS),
             "--seed",
             "1",
             "--out",
@@ -275,40 +275,29 @@ def seed_spread(chosen: list[str]) -> None:
     """Each live knee's run in the DES with seeds 1-6: how much P50 and P99 of one
     1,200-request run scatter there by themselves (what live-vs-DES agreement can be
     held to)."""
-    from bench.capacity import Objective, measure
-    from bench.des import DesSettings, simulate
+    from bench.capacity import ProbeSetup, RunPlan, run_probe
     from bench.policies import Policy
-    from bench.workloads import generate
     from prefix_router.core.config import RouterConfig
     from vllm_sim.config import make_config
 
-    engine = make_config(num_gpu_blocks=28750, prefill_tokens_per_s=12000)
+    engine = make_config(num_gpu_blocks=NUM_GPU_BLOCKS, prefill_tokens_per_s=PREFILL_TOKENS_PER_S)
     for name in chosen:
         if name not in LIVE_WORKLOADS or not (KNEE / f"{name}.json").exists():
             continue
         args, _ = LIVE_WORKLOADS[name]
-        overrides: dict[str, str | int | float] = {}
-        for pair in args[1::2]:  # "--set k=v" pairs
-            k, _, v = pair.partition("=")
-            overrides[k] = v
+        pairs = (pair.partition("=") for pair in args[1::2])  # "--set k=v"
+        setup = ProbeSetup(
+            workload=name,
+            overrides=tuple((k, v) for k, _, v in pairs),
+            policy=Policy.PREFIX_SPILL,
+            engine=engine,
+            router=RouterConfig(),
+            plan=RunPlan(requests=LIVE_REQUESTS, warmup=0.5),
+        )
         knee = orjson.loads((KNEE / f"{name}.json").read_bytes())["capacities"][0]["search"]["lo"]
-        cells = []
-        for seed in SPREAD_SEEDS:
-            workload = generate(
-                name, {**overrides, "rate": knee, "requests": LIVE_REQUESTS, "seed": seed}
-            )
-            settings = DesSettings(
-                policy=Policy.PREFIX_SPILL,
-                engine=engine,
-                router=RouterConfig(),
-                instances=2,
-                seed=seed,
-            )
-            result = simulate(workload, settings)
-            last = max(r.arrival_s for r in result.records)
-            p = measure(result, (0.5 * last, last), Objective(), rate=knee, instances=2, seed=seed)
-            cells.append(f"{p.p50_s * 1000:,.0f}/{p.p99_s * 1000:,.0f}")
-        print(f"{name} at {knee:g} req/s, P50/P99 ms by seed: {', '.join(cells)}", flush=True)
+        probes = [run_probe(setup, knee, 2, seed) for seed in SPREAD_SEEDS]
+        cells = ", ".join(f"{p.p50_s * 1000:,.0f}/{p.p99_s * 1000:,.0f}" for p in probes)
+        print(f"{name} at {knee:g} req/s, P50/P99 ms by seed: {cells}", flush=True)
 
 
 def write_live(rows: list[str]) -> None:
@@ -316,8 +305,7 @@ def write_live(rows: list[str]) -> None:
         "# Live vs DES at prefix-spill's knee (2 instances)",
         "",
         f"`bench/scripts/capacity.py live`: per workload, prefix-spill's knee on two instances"
-        f" in the DES, then {LIVE_REQUESTS:,} requests (at least {LIVE_MIN_DURATION:g} model"
-        f" seconds of them) at that rate through the real stack"
+        f" in the DES, then {LIVE_REQUESTS:,} requests at that rate through the real stack"
         f" (Envoy, one ext_proc, the control plane, Redis, the simulator) at a time scale of"
         f" {LIVE_REAL_RATE:g} requests per wall second over the knee, and in the DES, seed 1;"
         " both judged on the second half of the arrivals, as the capacity search judges a run.",
