@@ -19,7 +19,13 @@ from prefix_router.core.index import SLOT_BYTES
 from prefix_router.core.key import PrefixKey, extract_key
 from prefix_router.core.table import RoutingTable
 from prefix_router.state.clock import parse_clock_scale, scaled_clock
-from prefix_router.state.routing import InProcessStore, Routed, RoutingStore, StateUnavailable
+from prefix_router.state.routing import (
+    InProcessStore,
+    Routed,
+    RoutingStore,
+    StateUnavailable,
+    redis_store,
+)
 from prefix_router.state.routing.redis_store import RedisStore
 from tests.conftest import REDIS_URL
 
@@ -185,6 +191,41 @@ async def test_a_share_in_doubt_is_rewritten_before_the_next_batch(namespace: st
             await client.hincrby(k, first.instance_id, 1)
         store._in_doubt = True
         store.release(first.instance_id)
+        assert await settled(store, {}) == {}
+        assert await client.hgetall(store.share_key) == {}
+    finally:
+        await store.close()
+        await client.aclose()
+
+
+async def test_a_write_of_the_outage_that_lands_late_is_undone(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """A frozen Redis applies the writes waiting in its sockets when it thaws, in no set
+    order: one may land after the first rewrite. The share is rewritten once more
+    ``SETTLE_S`` later, so no count leaks for good."""
+    monkeypatch.setattr(redis_store, "SETTLE_S", 0.0)
+    store = await RedisStore.connect(REDIS_URL, namespace=namespace)
+    store._tasks[1].cancel()  # heartbeats only when the test calls beat()
+    client = aioredis.Redis.from_url(REDIS_URL)
+    real_sync = store._sync
+    try:
+
+        async def lost(**_: object) -> bytes:
+            store._sync = real_sync
+            raise ConnectionError("the round trip is lost")
+
+        store._sync = lost  # type: ignore[method-assign]
+        with pytest.raises(StateUnavailable):
+            await route(store, doc("a"))
+        kept = await route(store, doc("b"))  # rewrites the share first
+        want = {kept.instance_id: 1}
+        assert await settled(store, want) == want
+        for k in (store.fleet_key, store.share_key):  # a reserve of the outage, applied now
+            await client.hincrby(k, "10.0.0.9:8000", 1)
+        await store.beat()
+        assert await settled(store, want) == want
+        store.release(kept.instance_id)
         assert await settled(store, {}) == {}
         assert await client.hgetall(store.share_key) == {}
     finally:

@@ -53,11 +53,24 @@ def percent(cell: str) -> float:
 
 
 def warm_up(stack: RunningStack) -> None:
-    """Requests that share prefixes, so every instance reports hits and TTFT."""
+    """Requests that share prefixes, so every instance reports hits and TTFT.
+
+    Through the router first; then the same prompt twice straight to each instance, since
+    where the router places a dozen topics on three instances is its business (one may
+    get none) and the page must show every instance's figures."""
     with httpx.Client(timeout=30) as client:
         for topic in range(12):
             for turn in range(2):
                 r = stack.chat(client, f"Topic {topic}. " + "Background text. " * 60 + str(turn))
+                assert r.status_code == 200, r.text
+        for instance in stack.instance_ids:
+            body = {
+                "model": "meta-llama/Llama-3.1-70B-Instruct",
+                "messages": [{"role": "user", "content": "Direct. " * 200}],
+                "max_tokens": 4,
+            }
+            for _ in range(2):
+                r = client.post(f"http://{instance}/v1/chat/completions", json=body)
                 assert r.status_code == 200, r.text
 
 

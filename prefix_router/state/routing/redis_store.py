@@ -34,7 +34,9 @@ Counts heal themselves as before: a replica that dies stops beating, and any rep
 janitor (or the control plane's) subtracts the dead replica's share from the fleet-wide
 counts within a few seconds. When a round trip fails outright, the replica rewrites its
 share from its own exact local counts before its next batch, in the flusher, so no
-release can overtake the rewrite on another connection.
+release can overtake the rewrite on another connection. A write sent before the outage
+can still land after that rewrite (a frozen server reads what waits in its sockets when
+it thaws, in no set order), so the share is rewritten once more ``SETTLE_S`` later.
 """
 
 from __future__ import annotations
@@ -71,6 +73,9 @@ log = logging.getLogger("prefix_router.state.routing")
 
 HEARTBEAT_S = 1.0
 HEARTBEAT_TTL_S = 3.0
+SETTLE_S = 1.0
+"""After an outage, how long after the first successful rewrite of the share it is
+rewritten again, to undo writes of the outage that the server applied late."""
 WRITE_DELAY_S = 0.002
 """Longest a write (a release, a routed request's index entries and counts) waits for a
 round trip to ride on; other replicas see it that much later at most."""
@@ -124,6 +129,10 @@ class RedisStore:
         self._wake = asyncio.Event()
         self._closing = False
         self._in_doubt = False
+        self._outage = False
+        """A round trip failed since the last rewrite: the next one is followed by another."""
+        self._settle_at: float | None = None
+        """When (loop time) to rewrite the share once more after an outage, if pending."""
         self._tasks: list[asyncio.Task[None]] = []
         self._last_keys: list[str] = []
         """KEYS of the last table's round trip, for one that carries only writes."""
@@ -228,6 +237,9 @@ class RedisStore:
                     if self._in_doubt:
                         await self._rewrite_share()
                         self._in_doubt = False
+                        if self._outage:
+                            self._outage = False
+                            self._settle_at = asyncio.get_running_loop().time() + SETTLE_S
                         args.reserves, args.releases = [], []  # the rewrite carries them
                     reply = None
                     if table is not None and table.rule.slots_log2 != self._last_slots_log2:
@@ -240,6 +252,7 @@ class RedisStore:
                 if not isinstance(exc, RedisError | OSError | TimeoutError):
                     log.warning("routing store round trip failed unexpectedly: %r", exc)
                 self._in_doubt = True  # unknown whether the writes landed: rewrite the share
+                self._outage = True
                 for w in waiting:
                     if not w.future.done():
                         w.future.set_exception(StateUnavailable(repr(exc)))
@@ -333,6 +346,9 @@ class RedisStore:
             *_, models = await pipe.execute()
         self._learned = {_text(k): _model(v) for k, v in models.items()}
         await self._reap(keys=[self.fleet_key, self.replicas_key], args=[self.namespace])
+        if self._settle_at is not None and asyncio.get_running_loop().time() >= self._settle_at:
+            self._settle_at = None
+            self._in_doubt = True
         if self._in_doubt:
             self._wake.set()
 
