@@ -233,6 +233,27 @@ async def test_a_write_of_the_outage_that_lands_late_is_undone(
         await client.aclose()
 
 
+async def test_redis_keeps_only_the_prefill_ends_still_ahead(namespace: str) -> None:
+    """Each instance's queue in Redis holds the prefill ends still ahead, as
+    :func:`prefix_router.core.work.admit` keeps them: ends already passed are dropped by
+    the next request queued there, not kept up to ConcurrencyThreshold and parsed again
+    by every round trip."""
+    fast = RoutingTable.build(Fleet.of([FLEET.instances[0]]), CONFIG)
+    store = await RedisStore.connect(REDIS_URL, namespace=namespace, clock_scale=1000.0)
+    client = aioredis.Redis.from_url(REDIS_URL)
+    try:
+        for n in range(20):  # each prefill ends within a millisecond of wall time
+            routed = await store.route(key(doc(f"q{n}")), fast)
+            store.release(routed.instance_id)
+            await asyncio.sleep(0.005)
+        await settled(store, {})
+        ends = await client.hget(f"{namespace}work", f"{routed.instance_id}:ends")
+        assert ends is not None and len(ends.split()) == 1, ends
+    finally:
+        await store.close()
+        await client.aclose()
+
+
 async def test_a_dead_replicas_counts_disappear(namespace: str) -> None:
     dead = await RedisStore.connect(REDIS_URL, namespace=namespace)
     taken = [(await route(dead, doc(f"p{n}"))).instance_id for n in range(3)]

@@ -135,7 +135,10 @@ for _, admit in ipairs(a[6]) do
   local work = redis.call('HMGET', KEYS[6], id .. ':busy', id .. ':ends')
   local busy = tonumber(work[1]) or 0
   local done = math.max(decided_at, busy) + prefill / rate  -- it arrived when decided
-  local ends = split(work[2])
+  local ends = {}  -- those still ahead (ends passed would pile up to keep, each read
+  for _, e in ipairs(split(work[2])) do  -- parsing them all again: 8 x 256 on a quiet fleet)
+    if tonumber(e) > now then ends[#ends + 1] = e end
+  end
   ends[#ends + 1] = tostring(done)
   -- the last keep: those still ahead are the latest (the queue only grows at its end)
   local first = math.max(1, #ends - keep + 1)
