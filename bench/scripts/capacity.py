@@ -145,7 +145,7 @@ def run(args: list[str]) -> None:
         sys.exit(code)
 
 
-def sweep(chosen: list[str], jobs: int, policies: str) -> None:
+def sweep(chosen: list[str], jobs: int, policies: str, fleet_policies: str = "") -> None:
     began = time.monotonic()
     for name in chosen:
         if name not in KNOWN:
@@ -164,7 +164,7 @@ def sweep(chosen: list[str], jobs: int, policies: str) -> None:
                 "--policies",
                 policies,
                 "--fleet-policies",
-                FLEET_POLICIES,
+                fleet_policies or FLEET_POLICIES,
                 "--out",
                 str(OUT),
             ]
@@ -376,6 +376,11 @@ def main() -> None:
     parser.add_argument("--only", default=ALL, help="comma-separated workloads")
     parser.add_argument("--jobs", type=int, default=2, help="policies searched at once")
     parser.add_argument(
+        "--fleet-policies",
+        default=FLEET_POLICIES,
+        help="sweep: the policies whose smallest fleet is searched too",
+    )
+    parser.add_argument(
         "--below-knee",
         action="store_true",
         help=f"live: run single-turn workloads at {BELOW_KNEE:g} x their knee instead",
@@ -389,7 +394,7 @@ def main() -> None:
     chosen = [w for w in args.only.split(",") if w]
     checked = chosen if args.only != ALL else [*LIVE_WORKLOADS, *LIVE_MULTI_TURN]
     if args.part == "sweep":
-        sweep(chosen, args.jobs, args.policies)
+        sweep(chosen, args.jobs, args.policies, args.fleet_policies)
     elif args.part == "live-knees":
         for name in checked:
             live_knee(name)
