@@ -338,10 +338,13 @@ def check_goals(
     if spill is not None and nospill is not None:
         limit = threshold if threshold is not None else spill.notes.get("concurrency_threshold")
         peak = spill.peak_in_flight
-        under = limit is not None and peak <= int(limit)
+        against = (
+            f"vs ConcurrencyThreshold {limit} ({verdict(peak <= int(limit))})"
+            if limit is not None
+            else "(no ConcurrencyThreshold)"
+        )
         lines.append(
-            f"- hot-prefix, with spill: peak in flight {peak} per instance vs "
-            f"ConcurrencyThreshold {limit} ({verdict(under)}); P99 TTFT "
+            f"- hot-prefix, with spill: peak in flight {peak} per instance {against}; P99 TTFT "
             f"{_ms(spill.ttft(99))} ms vs {_ms(nospill.ttft(99))} ms without spill "
             f"({verdict(spill.ttft(99) < nospill.ttft(99))})"
         )

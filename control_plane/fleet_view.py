@@ -158,7 +158,7 @@ class FleetSnapshot:
     time: float
     fleet_version: int
     config_version: int
-    concurrency_threshold: int
+    concurrency_threshold: int | None
     spill_policy: str
     spill_limit: int
     window_s: float
@@ -457,7 +457,7 @@ class FleetView:
             time=self.wall_clock(),
             fleet_version=state.fleet.fleet.version if state else 0,
             config_version=state.config.version if state else 0,
-            concurrency_threshold=config.concurrency_threshold if config else 0,
+            concurrency_threshold=config.concurrency_threshold if config else None,
             spill_policy=config.spill.policy.value if config else "",
             spill_limit=(
                 math.ceil(in_flight_bound(rule, totals.in_flight or 0, routable)) if rule else 0

@@ -176,20 +176,22 @@ class ControlPlaneCollector:
         for (state, health), n in sorted(counts.items()):
             instances.add_metric([state, health], n)
         yield instances
-        if snap.concurrency_threshold:
+        if snap.concurrency_threshold is not None:
             threshold = _family(
                 "concurrency_threshold",
                 "ConcurrencyThreshold: requests waiting for their first token at which an "
-                "instance counts as overloaded.",
+                "instance counts as overloaded (absent: no threshold).",
             )
             threshold.add_metric([], snap.concurrency_threshold)
+            yield threshold
+        if snap.spill_policy:
             limit = _family(
                 "spill_limit",
                 "In-flight count at which an instance takes no more requests now "
                 "(load_factor x the fleet's mean in flight + 4).",
             )
             limit.add_metric([], snap.spill_limit)
-            yield from (threshold, limit)
+            yield limit
 
     def _loads(self, snap: FleetSnapshot) -> Iterator[Metric]:
         up = _family("redis_up", "1 if the last read of the load store in Redis succeeded.")

@@ -21,7 +21,7 @@ from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.index import CacheModel, InProcessIndex
 from prefix_router.core.key import KeySettings, PrefixKey, extract_key
 from prefix_router.core.table import RoutingTable
-from prefix_router.core.work import InstanceModel, InstanceWork, admit
+from prefix_router.core.work import MAX_WAITING_TRACKED, InstanceModel, InstanceWork, admit
 
 RULE = DecisionRule(
     policy=SpillPolicyName.LEAST_WORK,
@@ -31,6 +31,7 @@ RULE = DecisionRule(
     slots_log2=12,
 )
 MISS_3 = dataclasses.replace(RULE, miss_weight=3.0)
+NO_THRESHOLD = dataclasses.replace(RULE, threshold=None)
 NO_SPILL = DecisionRule(
     policy=SpillPolicyName.NONE, threshold=4, load_factor=1.25, placement_width=4, slots_log2=12
 )
@@ -50,8 +51,11 @@ def c(cached: int = 0, backlog: float = 0.0, waiting: int = 0, in_flight: int = 
         # ties go to the earlier candidate, then to fewer in flight
         (RULE, [c(), c()], 9, 0),
         (RULE, [c(in_flight=2), c(in_flight=1)], 9, 1),
-        # ConcurrencyThreshold: 4 waiting is overloaded, whatever its cache
+        # ConcurrencyThreshold: 4 waiting is overloaded, whatever its cache ...
         (RULE, [c(cached=999, waiting=4), c(backlog=0.5)], 9, 1),
+        # ... and by default there is no threshold
+        (NO_THRESHOLD, [c(cached=999, waiting=400), c(backlog=0.5)], 9, 0),
+        (NO_THRESHOLD, [c(waiting=400), c(waiting=3, backlog=0.1)], 9, 0),
         # the in-flight bound keeps a holder from taking more than its share
         (RULE, [c(cached=999, in_flight=3), c(in_flight=1)], 3, 1),
         # over the bound beats over the threshold; all overloaded: the shortest wait
@@ -73,6 +77,26 @@ def test_choose(
     rule: DecisionRule, candidates: list[Candidate], bound: float, expected: int
 ) -> None:
     assert choose(candidates, 1000, rule, bound) == expected
+
+
+def test_the_default_rule_keeps_cache_hits_home_and_has_no_threshold() -> None:
+    rule = DecisionRule.from_config(RouterConfig())
+    assert rule.threshold is None and rule.waiting_kept == MAX_WAITING_TRACKED
+    assert rule.miss_weight == 100
+    # a holder with 5 s of queue keeps a request its cache saves 50 tokens, 0.05 s (x 100)
+    holder, idle = c(cached=50, backlog=4.9, waiting=300), c()
+    assert choose([holder, idle], 1000, rule, 99) == 0
+    assert choose([c(cached=50, backlog=5.1), idle], 1000, rule, 99) == 1
+
+
+@pytest.mark.parametrize(
+    ("value", "expected"), [("off", None), ("None", None), (None, None), ("64", 64), (64, 64)]
+)
+def test_concurrency_threshold_is_a_count_or_off(value: object, expected: int | None) -> None:
+    assert (
+        RouterConfig.model_validate({"concurrency_threshold": value}).concurrency_threshold
+        == expected
+    )
 
 
 def test_the_in_flight_bound_follows_the_fleet_mean() -> None:
@@ -207,8 +231,11 @@ def test_a_conversation_goes_where_its_last_turn_and_the_answer_to_it_are_cached
 def test_a_busy_holder_loses_to_an_idle_instance_when_its_queue_outweighs_its_cache() -> None:
     fleet = Fleetwide()
     home = fleet.route(text("hot", 8000)).instance
-    fleet.now = 100.0
-    fleet.works[home] = InstanceWork(busy_until=fleet.now + 30.0, ends=(fleet.now + 30.0,))
+    fleet.now = 1000.0
+    # its cache saves 1,768 tokens, 1.8 s at 1,000 tokens/s, which counts 100 times
+    fleet.works[home] = InstanceWork(busy_until=fleet.now + 170.0, ends=(fleet.now + 170.0,))
+    assert fleet.route(text("hot", 8000) + b"!").outcome is Outcome.HOME
+    fleet.works[home] = InstanceWork(busy_until=fleet.now + 180.0, ends=(fleet.now + 180.0,))
     d = fleet.route(text("hot", 8000) + b"?")
     assert d.outcome is Outcome.SPILLED and d.instance != home
     assert d.cached_tokens == 0 and d.prefill_tokens == 8001 // 4
@@ -236,8 +263,11 @@ def test_a_departed_instance_holds_nothing() -> None:
 def test_a_prefix_every_way_holds_counts_as_cached_everywhere() -> None:
     fleet = Fleetwide()
     system = text("shared system prompt", 3000)
-    placed = [fleet.route(system + text(f"user {n}", 600), hold=True) for n in range(24)]
-    assert len({d.instance for d in placed}) == 4  # spread by the in-flight bound
+    placed = []
+    for n in range(4):  # each holder over the in-flight bound in turn
+        placed.append(fleet.route(system + text(f"user {n}", 600)))
+        fleet.flights[placed[-1].instance] = 100
+    assert len({d.instance for d in placed}) == 4
     fleet.flights.clear()
     fleet.now = 100.0
     d = fleet.route(system + b"a new conversation")

@@ -72,7 +72,7 @@ function renderFleet(f) {
   $("fleet-version").textContent = f.fleet_version;
   $("config-version").textContent = f.config_version;
   $("published").textContent = f.published_snapshot || "none";
-  $("threshold").textContent = f.concurrency_threshold;
+  $("threshold").textContent = f.concurrency_threshold ?? "off";
   $("spill-policy").textContent = f.spill_policy;
   $("spill-limit").textContent = f.spill_limit;
   $("window").textContent = f.window_s;

@@ -77,12 +77,14 @@ class SpillConfig(_Frozen):
         "in-flight + 4 while another candidate can.",
     )
     miss_weight: float = Field(
-        3.0,
+        100.0,
         ge=1.0,
-        le=100.0,
+        le=10_000.0,
         description="Prefill a request would compute beyond the least any candidate needs "
         "counts this many times in its score: it also delays the requests that queue "
-        "behind it (1: only the request's own wait).",
+        "behind it (1: only the request's own wait; 100: a holder keeps its requests "
+        "unless its queue is 100x what its cache saves, and the in-flight bound spreads "
+        "load).",
     )
 
 
@@ -201,13 +203,24 @@ class RouterConfig(_Frozen):
     tenant_header: str | None = Field(
         "x-tenant-id", description="Header whose value scopes the key; null disables tenancy."
     )
-    concurrency_threshold: int = Field(
-        256,
+    concurrency_threshold: int | None = Field(
+        None,
         ge=1,
         le=1_000_000,
         description="ConcurrencyThreshold: requests waiting for their first token at which an "
-        "instance is overloaded (decoding requests do not count).",
+        "instance is overloaded and takes no new request while another candidate can "
+        "(decoding requests do not count). null (the default): no such limit; the in-flight "
+        "bound (spill.load_factor) spreads load.",
     )
+
+    @field_validator("concurrency_threshold", mode="before")
+    @classmethod
+    def _threshold_off(cls, value: Any) -> Any:
+        """``off`` or ``none`` (any case) from a flag or an env var: no threshold."""
+        if isinstance(value, str) and value.strip().lower() in ("off", "none", "null", ""):
+            return None
+        return value
+
     spill: SpillConfig = SpillConfig()
     placement: PlacementConfig = PlacementConfig()
     index: IndexConfig = IndexConfig()

@@ -9,21 +9,34 @@ candidates
     modelled prefill queue (:mod:`.work`). If the filter drops them all, the key's further
     ring successors join (up to 16), so a hot prefix spreads over the whole fleet.
 filter
-    Drop overloaded instances: ConcurrencyThreshold or more requests waiting for their
-    first token, or more requests in flight than ``load_factor`` times the fleet's mean
-    (bounded-load consistent hashing: no instance takes far more than its share of the
-    requests, and a prefix hotter than one instance spreads over several). If that
-    drops every candidate, the in-flight bound is lifted, then the threshold.
+    Drop overloaded instances: more requests in flight than ``load_factor`` times the
+    fleet's mean (bounded-load consistent hashing: no instance takes far more than its
+    share of the requests, and a prefix hotter than one instance spreads over several),
+    or, when the operator sets ConcurrencyThreshold, that many requests waiting for their
+    first token. If that drops every candidate, the in-flight bound is lifted, then the
+    threshold.
+
+    ConcurrencyThreshold is off by default because every way of leaving a holder while
+    the fleet is uniformly busy costs more than it saves: the request waits as long
+    elsewhere and computes its prefix again there, lengthening that queue and crowding
+    the fleet's caches with copies. In the simulation (bench/results/spill_variants.md)
+    a threshold of 256 waiting collapsed RAG at 150 and 188 requests/s (P50 3-18 s, also
+    when bounded by the fleet's mean waiting) where no threshold served 188 at 263 ms,
+    and it changed nothing on the hot prefix or the trace-like workload, which the
+    in-flight bound spreads.
 score
     The request's expected wait for its first token there, the prefill queued before it
     plus its own uncached prefill, ``backlog_s + (prompt - cached) / rate``, plus what the
-    fleet pays for a miss: the prefill beyond the least any candidate needs also delays
-    every request that queues behind it there, so it counts ``miss_weight`` times (3).
+    fleet pays for a miss: the prefill beyond the least any candidate needs delays every
+    request that queues behind it there, and every later request of the prefix, which
+    now has a copy to fill in one more cache, so it counts ``miss_weight`` times (100).
     Cache and load are weighed in one unit: a holder wins unless its queue is longer than
-    what its cache saves, three times over. With a weight of 1 (the request's own wait
-    alone), requests left their holders for each other's instances near capacity, each
-    computing a 4,000-token document again, until every queue was long (a spill cascade:
-    RAG in the simulation served 65 requests/s within its TTFT objective, 87 with 3).
+    what its cache saves a hundred times over. In practice the score places a prefix
+    nobody holds (all candidates need the same prefill: the shortest queue wins) and the
+    in-flight bound spreads load. With a weight of 3, requests left their holders for each
+    other's instances near capacity, each computing a 4,000-token document again, until
+    every queue was long (a spill cascade: RAG in the simulation served 88 requests/s
+    within its TTFT objective; 188 with 100 and no threshold, as pure affinity does).
 pick
     The lowest score; ties go to the earlier candidate (the deeper holder, or the ring's
     order), so with no load the result is plain prefix affinity and consistent hashing.
@@ -40,6 +53,7 @@ Cost: O(blocks x ways) to read the index, O(candidates) to decide.
 
 from __future__ import annotations
 
+import math
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
 from enum import StrEnum
@@ -55,6 +69,7 @@ from prefix_router.core.index import (
     record,
 )
 from prefix_router.core.key import BYTES_PER_TOKEN, PrefixKey
+from prefix_router.core.work import MAX_WAITING_TRACKED
 
 
 class Outcome(StrEnum):
@@ -78,9 +93,9 @@ class DecisionRule:
     """The settings one decision needs; built once per config."""
 
     policy: SpillPolicyName
-    threshold: int
+    threshold: int | None
     """ConcurrencyThreshold: requests waiting for their first token that make an instance
-    overloaded."""
+    overloaded (None: no such limit)."""
     load_factor: float
     """No instance above this times the fleet's mean in-flight requests (plus one)."""
     placement_width: int
@@ -89,6 +104,16 @@ class DecisionRule:
     miss_weight: float = 1.0
     """How many times the prefill a candidate adds beyond the least any candidate needs
     counts in its score (:func:`choose`)."""
+
+    @property
+    def waiting_limit(self) -> float:
+        """Waiting requests at which an instance is overloaded (infinite: no threshold)."""
+        return math.inf if self.threshold is None else float(self.threshold)
+
+    @property
+    def waiting_kept(self) -> int:
+        """Prefill ends the stores keep per instance: enough to tell the threshold."""
+        return MAX_WAITING_TRACKED if self.threshold is None else self.threshold
 
     @classmethod
     def from_config(cls, config: RouterConfig) -> DecisionRule:
@@ -192,11 +217,12 @@ def choose(
         return min(range(len(candidates)), key=lambda i: candidates[i].backlog_s)
     least = max(0, prompt_tokens - max(c.cached_tokens for c in candidates))
     extra = rule.miss_weight - 1.0
+    limit = rule.waiting_limit
     best, best_key, best_rank = 0, (0.0, 0), 3
     for i, c in enumerate(candidates):
         # rank 0: allowed; 1: over the in-flight bound; 2: over the threshold too
         rank = 0 if c.in_flight < bound else 1
-        if c.waiting >= rule.threshold:
+        if c.waiting >= limit:
             rank = 2
         own = max(0, prompt_tokens - c.cached_tokens)
         key = (c.backlog_s + (own + extra * (own - least)) / c.rate, c.in_flight)
@@ -254,7 +280,7 @@ def decide(
         total = sum(view.load(i)[2] for i in members)
         bound = in_flight_bound(rule, total, len(members))
     if rule.policy is not SpillPolicyName.NONE and not any(
-        c.in_flight < bound and c.waiting < rule.threshold for c in candidates
+        c.in_flight < bound and c.waiting < rule.waiting_limit for c in candidates
     ):
         candidates += [Candidate(i, common, *view.load(i)) for i in overflow() if i not in cached]
     chosen = candidates[choose(candidates, key.prompt_tokens, rule, bound)]

@@ -152,7 +152,8 @@ ROUTING_SHORTCUTS: dict[str, tuple[tuple[str, ...], str]] = {
     "tenant_header": (("tenant_header",), "header that scopes keys per tenant"),
     "concurrency_threshold": (
         ("concurrency_threshold",),
-        "ConcurrencyThreshold: in-flight requests per instance before spilling",
+        "ConcurrencyThreshold: requests waiting for a first token that overload an "
+        "instance (off: no threshold)",
     ),
     "spill_policy": (("spill", "policy"), "least-work or none"),
 }

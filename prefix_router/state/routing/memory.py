@@ -54,7 +54,7 @@ class InProcessStore:
             prefill_tokens=decision.prefill_tokens,
             written_tokens=decision.written_tokens,
             rate=view.model(decision.instance).prefill_tokens_per_s,
-            keep=table.rule.threshold,
+            keep=table.rule.waiting_kept,
         )
         self._cache_models.pop(chosen, None)
         self._in_flight[chosen] += 1

@@ -228,7 +228,7 @@ class RedisStore:
             table = waiting[-1].table if waiting else None
             if table is not None:
                 args.instances = table.ids
-                args.keep = table.rule.threshold
+                args.keep = table.rule.waiting_kept
                 args.slots = sorted(
                     {locate(b, table.rule.slots_log2)[0] for w in waiting for b in w.key.blocks}
                 )
@@ -288,7 +288,7 @@ class RedisStore:
             decision, ring_order = table.decide(w.key, view)
             chosen = table.ids[decision.instance]
             rate = view.model(decision.instance).prefill_tokens_per_s
-            view.record(decision, rate, table.rule.threshold)
+            view.record(decision, rate, table.rule.waiting_kept)
             self._next.writes += decision.index_writes
             home = "" if decision.home is None else table.ids[decision.home]
             self._next.admits.append(
