@@ -103,6 +103,7 @@ def test_every_dashboard_query_names_an_exported_metric() -> None:
             ("in flight", "concurrencythreshold"),
             {
                 "prefix_router_control_plane_in_flight",
+                "prefix_router_control_plane_spill_limit",
                 "prefix_router_control_plane_concurrency_threshold",
             },
         ),

@@ -1,17 +1,17 @@
 """prefix-spill with its spill rules changed, one simulated run per (variant, workload, rate).
 
 The capacity sweep (bench/results/capacity) found pure affinity (``prefix``: spill off)
-serving 2.1x prefix-spill's capacity on RAG and 2.3x on code. This asks which of
-prefix-spill's three ways of leaving a prefix's holder costs that, and whether turning it
+serving 2.1x the then defaults' capacity on RAG and 2.3x on code. This asks which of
+prefix-spill's three ways of leaving a prefix's holder cost that, and whether turning it
 off costs the workloads that need spill (a hot prefix, the trace-like workload):
 
 * ``spill.miss_weight`` (the score: a holder loses when its queue outweighs what its cache
-  saves, the miss counted that many times);
+  saves, the miss counted that many times; 3 then, 100 now);
 * ``concurrency_threshold`` (an instance with that many requests waiting for their first
-  token takes none while another can);
+  token takes none while another can; 256 then, off now);
 * ``spill.load_factor`` (the in-flight bound: load_factor x the fleet's mean + 4).
 
-    python bench/scripts/spill_variants.py [--only rag,code] [--variants default,mw100t0]
+    python bench/scripts/spill_variants.py [--only rag,code] [--variants default,old]
 
 8 instances as in the capacity sweep (28,750 KV blocks, 12,000 prefill tokens/s), seed 1,
 5,000 requests and at least 60 model seconds a run, the first half not measured, judged by
@@ -35,18 +35,19 @@ from vllm_sim.config import make_config
 VARIANTS: dict[str, tuple[Policy, dict[str, Any]]] = {
     "default": (Policy.PREFIX_SPILL, {}),
     "prefix": (Policy.PREFIX, {}),
+    "old": (
+        Policy.PREFIX_SPILL,
+        {"concurrency_threshold": 256, "spill": {"miss_weight": 3.0}},
+    ),
+    "mw3": (Policy.PREFIX_SPILL, {"spill": {"miss_weight": 3.0}}),
     "mw30": (Policy.PREFIX_SPILL, {"spill": {"miss_weight": 30.0}}),
-    "mw100": (Policy.PREFIX_SPILL, {"spill": {"miss_weight": 100.0}}),
+    "t256": (Policy.PREFIX_SPILL, {"concurrency_threshold": 256}),
     "lf2": (Policy.PREFIX_SPILL, {"spill": {"load_factor": 2.0}}),
     "lf100": (Policy.PREFIX_SPILL, {"spill": {"load_factor": 100.0}}),
-    "t0": (Policy.PREFIX_SPILL, {"concurrency_threshold": 100_000}),
-    "mw100t0": (
-        Policy.PREFIX_SPILL,
-        {"concurrency_threshold": 100_000, "spill": {"miss_weight": 100.0}},
-    ),
-    "mw100lf100": (Policy.PREFIX_SPILL, {"spill": {"miss_weight": 100.0, "load_factor": 100.0}}),
 }
-"""``t0``: the threshold out of reach (no instance ever has 100,000 waiting)."""
+"""``default``: the defaults (miss_weight 100, no ConcurrencyThreshold); ``old``: the
+defaults before them (miss_weight 3, ConcurrencyThreshold 256); ``mw3`` and ``t256`` put
+back one of the two."""
 
 RATES: dict[str, tuple[float, ...]] = {
     "rag": (88.0, 120.0, 150.0, 188.0),
@@ -89,7 +90,7 @@ def main() -> None:
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
     parser.add_argument("--only", default=",".join(RATES), help="comma-separated workloads")
-    parser.add_argument("--variants", default="default,prefix,mw100,t0,mw100t0")
+    parser.add_argument("--variants", default="default,old,mw3,t256")
     parser.add_argument("--jobs", type=int, default=2)
     args = parser.parse_args()
     jobs = [
