@@ -158,6 +158,12 @@ def test_routing_shortcuts_override_the_config_file(tmp_path: Path) -> None:
     assert routing.spill.policy.value == "none"
     with pytest.raises(ConfigError, match="spill.policy"):
         resolve_settings(["--spill-policy", "sideways"], {})
+    # ConcurrencyThreshold is off by default, and a flag turns a file's back off
+    assert resolve_settings([], {})[1].concurrency_threshold is None
+    _, routing = resolve_settings(["--config", str(config), "--concurrency-threshold", "off"], {})
+    assert routing.concurrency_threshold is None and routing.prefix_length == 2048
+    with pytest.raises(ConfigError, match="concurrency_threshold"):
+        resolve_settings(["--concurrency-threshold", "lots"], {})
 
 
 README = Path(__file__).resolve().parent.parent / "README.md"
