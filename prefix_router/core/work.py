@@ -31,9 +31,10 @@ from dataclasses import dataclass
 from typing import NamedTuple
 
 MAX_WAITING_TRACKED = 256
-"""Prefill ends kept per instance at most: more waiting requests read as this many. The
-decision needs to know only whether ConcurrencyThreshold are waiting, so stores keep that
-many (:func:`admit`'s ``keep``)."""
+"""Prefill ends kept per instance when ConcurrencyThreshold is off (the default): more
+waiting requests read as this many (the fleet view shows them). With a threshold set, the
+decision needs to know only whether that many are waiting, so stores keep that many
+(:func:`admit`'s ``keep``, ``DecisionRule.waiting_kept``)."""
 
 
 @dataclass(frozen=True, slots=True)

@@ -13,7 +13,7 @@ Layout (``ns`` is the namespace, e.g. ``prefix-router:``):
                                     ``32 x 2**slots_log2`` bytes at most (8 MiB at 18)
 ``{ns}work``                hash    ``{id}:busy``, ``{id}:written`` and ``{id}:ends`` of each
                                     instance's prefill queue (:mod:`prefix_router.core.work`);
-                                    ends: its last ConcurrencyThreshold prefill ends,
+                                    ends: its last prefill ends (ConcurrencyThreshold, 256 if off),
                                     space-separated (one field, not a list of its own: the
                                     script reads every instance's queue in one HMGET)
 ``{ns}models``              hash    instance id -> ``rate capacity`` learned by the control plane
