@@ -20,7 +20,7 @@ filter
     the fleet is uniformly busy costs more than it saves: the request waits as long
     elsewhere and computes its prefix again there, lengthening that queue and crowding
     the fleet's caches with copies. In the simulation (bench/results/spill_variants.md)
-    a threshold of 256 waiting collapsed RAG at 150 and 188 requests/s (P50 3-18 s, also
+    a threshold of 256 waiting collapsed RAG at 150 and 188 requests/s (P50 3-24 s, also
     when bounded by the fleet's mean waiting) where no threshold served 188 at 263 ms,
     and it changed nothing on the hot prefix or the trace-like workload, which the
     in-flight bound spreads.
