@@ -42,6 +42,7 @@ VARIANTS: dict[str, tuple[Policy, dict[str, Any]]] = {
     "mw3": (Policy.PREFIX_SPILL, {"spill": {"miss_weight": 3.0}}),
     "mw30": (Policy.PREFIX_SPILL, {"spill": {"miss_weight": 30.0}}),
     "t256": (Policy.PREFIX_SPILL, {"concurrency_threshold": 256}),
+    "lf1.4": (Policy.PREFIX_SPILL, {"spill": {"load_factor": 1.4}}),
     "lf2": (Policy.PREFIX_SPILL, {"spill": {"load_factor": 2.0}}),
     "lf100": (Policy.PREFIX_SPILL, {"spill": {"load_factor": 100.0}}),
 }
