@@ -272,47 +272,40 @@ def live_report(chosen: list[str]) -> None:
                 continue
             point = live_point(name, fraction)
             if point is not None:
-                rate = saved_rate(live_folder(fraction) / name / "live-prefix-spill.json")
-                knee = point[1] / fraction
-                rate = rate or point[1]
-                rows += compare_rows(name, rate, fraction, of_knee=rate / knee)
+                rows += compare_rows(name, point[1], fraction)
     write_live(rows)
 
 
-def saved_rate(path: Path) -> float | None:
-    """The rate a saved run was offered (its params say), which is the knee's fraction
-    it ran at only while the knee has not moved since."""
-    from bench.results import RunResult
-
-    found = re.search(r"(?:^|, )rate=([0-9.]+)", RunResult.load(path).params)
+def offered_rate(params: str) -> float | None:
+    """The rate a saved run was offered, from its params (``rate=...``)."""
+    found = re.search(r"(?:^|, )rate=([0-9.]+)", params)
     return float(found.group(1)) if found else None
 
 
-def compare_rows(
-    name: str, rate: float, fraction: float = 1.0, of_knee: float | None = None
-) -> list[str]:
-    """Table rows: the live run and the DES run of ``name`` at ``rate`` (saved under
-    ``fraction`` of its knee; ``of_knee`` what it is of today's knee), over the window the
-    capacity search measures."""
+def compare_rows(name: str, rate: float, fraction: float = 1.0) -> list[str]:
+    """Table rows: the live run and the DES run of ``name`` saved under ``fraction`` of its
+    knee, over the window the capacity search measures. ``rate`` is ``fraction`` of today's
+    knee; a run saved before the knee moved ran at the rate its params say, and its row
+    says which share of today's knee that is."""
     from bench.capacity import Objective, measure
     from bench.results import RunResult
 
     folder = live_folder(fraction) / name
-    probes = []
-    for mode in ("des", "live"):
-        result = RunResult.load(folder / f"{mode}-prefix-spill.json")
-        last = max(r.arrival_s for r in result.records)
-        probes.append(
-            measure(result, (0.5 * last, last), Objective(), rate=rate, instances=2, seed=1)
-        )
-    d, v = probes
-    live_run = RunResult.load(folder / "live-prefix-spill.json")
+    runs = [RunResult.load(folder / f"{mode}-prefix-spill.json") for mode in ("des", "live")]
+    live_run = runs[1]
+    knee = rate / fraction
+    rate = offered_rate(live_run.params) or rate
+    d, v = (
+        measure(run, (0.5 * last, last), Objective(), rate=rate, instances=2, seed=1)
+        for run in runs
+        for last in [max(r.arrival_s for r in run.records)]
+    )
     errors = live_run.errors
+    scale = live_run.time_scale
     if name in LIVE_MULTI_TURN:  # the rate it approaches once conversations overlap
-        head = f"{name} at --rate {rate:g} (filling up), time scale {live_run.time_scale:g}"
+        head = f"{name} at --rate {rate:g} (filling up), time scale {scale:g}"
     else:
-        share = fraction if of_knee is None else of_knee
-        head = f"{name} at {rate:g} req/s ({share:.2g} x knee), time scale {live_run.time_scale:g}"
+        head = f"{name} at {rate:g} req/s ({rate / knee:.2g} x knee), time scale {scale:g}"
     rows = []
     for what, a, b in (
         ("TTFT P50 ms", d.p50_s * 1000, v.p50_s * 1000),
