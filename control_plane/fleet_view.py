@@ -59,6 +59,7 @@ from control_plane.vllm_metrics import (
 from prefix_router.core.decision import DecisionRule, in_flight_bound
 from prefix_router.core.fleet import Instance
 from prefix_router.core.table import RoutingTable
+from prefix_router.core.work import InstanceModel, model_text
 from prefix_router.state.store import State, StateError, StateStore
 from prefix_router.state.supervision import SupervisionReport, read_report
 
@@ -321,8 +322,11 @@ class FleetView:
                 pass
 
     def learned_models(self) -> dict[str, str]:
-        """What the instances' metrics taught of them, as ``rate capacity`` strings (0 where
-        unknown) in the form the routing store reads (:mod:`prefix_router.state.routing`).
+        """What the instances' metrics taught of them, as the routing store reads it
+        (:func:`~prefix_router.core.work.model_text`): ``rate capacity`` (0 where unknown),
+        and the instance's ``vllm:num_requests_waiting`` with the time it was read, when its
+        latest scrape succeeded (ConcurrencyThreshold then sees waiting requests the routers
+        did not send).
 
         The capacity is each instance's own KV cache size. The prefill rate is the fleet's
         median of what each instance showed over the window: an instance that mostly serves
@@ -332,6 +336,7 @@ class FleetView:
         """
         rates: list[float] = []
         capacities: dict[str, float] = {}
+        waiting: dict[str, int] = {}
         for instance_id, window in self.windows.items():
             newest = window.newest
             if newest is None:
@@ -340,11 +345,17 @@ class FleetView:
             if rate:
                 rates.append(rate)
             capacities[instance_id] = newest.kv_cache_tokens or 0.0
+            latest = self.scrapes.get(instance_id)
+            if latest is not None and latest.reading is newest and newest.waiting is not None:
+                waiting[instance_id] = round(newest.waiting)
         rate = statistics.median(rates) if rates else 0.0
+        now = self.wall_clock()
         return {
-            instance_id: f"{rate:.0f} {capacity:.0f}"
+            instance_id: model_text(
+                InstanceModel(rate, capacity, waiting.get(instance_id, 0)),
+                now if instance_id in waiting else None,
+            )
             for instance_id, capacity in capacities.items()
-            if rate or capacity
         }
 
     async def publish_models(self) -> None:

@@ -31,6 +31,7 @@ from prefix_router.core.decision import Outcome
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.key import extract_key
 from prefix_router.core.table import RoutingTable
+from prefix_router.core.work import InstanceModel, model_of_text
 from prefix_router.ops.launch import start_module
 from prefix_router.ops.procs import free_port
 from prefix_router.state.routing.redis_store import RedisStore
@@ -286,3 +287,42 @@ async def test_redis_down_is_reported_not_raised() -> None:
     finally:
         await view.close()
         await store.close()
+
+
+async def test_each_scrape_publishes_the_waiting_count_an_instance_reports() -> None:
+    """The control plane passes each instance's ``vllm:num_requests_waiting`` to every
+    ext_proc replica through Redis, stamped with when it was read, and stops stamping it
+    when the instance's metrics cannot be read (the routers then drop it)."""
+    waiting = {"n": 7, "up": True}
+
+    def metrics(request: httpx.Request) -> httpx.Response:
+        if not waiting["up"]:
+            raise httpx.ConnectError("refused", request=request)
+        text = (
+            "# TYPE vllm:num_requests_waiting gauge\n"
+            f'vllm:num_requests_waiting{{engine="0",model_name="m"}} {waiting["n"]}.0\n'
+        )
+        return httpx.Response(200, text=text)
+
+    async with (
+        fresh_store() as store,
+        httpx.AsyncClient(transport=httpx.MockTransport(metrics)) as client,
+    ):
+        await store.seed(Fleet.of([A]), RouterConfig())
+        view = FleetView(store, client=client, redis_timeout_s=5.0, wall_clock=lambda: 1000.0)
+        models_key = f"{store.keys.namespace}models"
+
+        async def published() -> InstanceModel:
+            raw = await store.redis.hget(models_key, A.id)
+            assert raw is not None
+            return model_of_text(raw, 1001.0)
+
+        await view.tick()
+        assert await published() == InstanceModel(0.0, 0.0, 7)
+        waiting["n"] = 0
+        await view.tick()
+        assert await published() == InstanceModel(0.0, 0.0, 0)
+        waiting.update(n=30, up=False)
+        await view.tick()
+        assert (await published()).waiting == 0
+        assert (await store.redis.hget(models_key, A.id)).split()[2:] == []

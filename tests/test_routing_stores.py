@@ -18,6 +18,7 @@ from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.index import SLOT_BYTES
 from prefix_router.core.key import PrefixKey, extract_key
 from prefix_router.core.table import RoutingTable
+from prefix_router.core.work import InstanceModel, model_of_text, model_text
 from prefix_router.state.clock import parse_clock_scale, scaled_clock
 from prefix_router.state.routing import (
     InProcessStore,
@@ -231,6 +232,39 @@ async def test_a_write_of_the_outage_that_lands_late_is_undone(
     finally:
         await store.close()
         await client.aclose()
+
+
+async def test_waiting_an_instance_reports_counts_against_the_threshold(
+    make_store: StoreFactory, namespace: str
+) -> None:
+    """vLLM's own ``num_requests_waiting`` (published by the control plane, stamped with
+    the time it was read) counts when it says more than the router's own count: requests
+    that reached the instance by another path make it overloaded too."""
+    table = RoutingTable.build(FLEET, CONFIG.patched({"concurrency_threshold": 4}))
+    store = await make_store()
+    home = await store.route(key(doc("report") + b"q0"), table)
+    store.release(home.instance_id)
+
+    async def reports(waiting: int, age_s: float) -> None:
+        model = InstanceModel(1e9, table.default_model.kv_cache_tokens, waiting)
+        if isinstance(store, InProcessStore):
+            store.learn(home.instance_id, model_of_text(model_text(model, -age_s), 0.0))
+            return
+        client = aioredis.Redis.from_url(REDIS_URL)
+        try:
+            text = model_text(model, time.time() - age_s)
+            await client.hset(f"{namespace}models", home.instance_id, text)
+        finally:
+            await client.aclose()
+        assert isinstance(store, RedisStore)
+        await store.beat()
+
+    for waiting, age_s, stays in [(3, 0.0, True), (4, 0.0, False), (40, 60.0, True)]:
+        await reports(waiting, age_s)
+        routed = await store.route(key(doc("report") + b"q1"), table)
+        store.release(routed.instance_id)
+        assert (routed.instance_id == home.instance_id) is stays, (waiting, age_s)
+        assert routed.decision.outcome is (Outcome.HOME if stays else Outcome.SPILLED)
 
 
 async def test_redis_keeps_only_the_prefill_ends_still_ahead(namespace: str) -> None:

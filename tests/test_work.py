@@ -4,7 +4,15 @@ from __future__ import annotations
 
 import pytest
 
-from prefix_router.core.work import MAX_WAITING_TRACKED, InstanceWork, admit, finished
+from prefix_router.core.work import (
+    MAX_WAITING_TRACKED,
+    InstanceModel,
+    InstanceWork,
+    admit,
+    finished,
+    model_of_text,
+    model_text,
+)
 
 
 def test_prefill_queues_behind_what_is_queued_and_drains_with_time() -> None:
@@ -51,3 +59,39 @@ def test_a_request_that_finished_proves_the_prefill_before_it_done() -> None:
     w = finished(w, 0.5, 2.0)
     assert w.busy_until == 2.5 and w.ends == (1.5, 2.5) and w.waiting(0.5) == 2
     assert finished(w, 9.0, 2.0) == w  # a request the model had already finished
+
+
+@pytest.mark.parametrize(
+    ("text", "now", "model"),
+    [
+        ("12000 460000", 0.0, InstanceModel(12000.0, 460000.0)),  # no scrape of waiting
+        ("12000 460000 7 100.000", 105.0, InstanceModel(12000.0, 460000.0, 7)),
+        ("12000 460000 7 100.000", 110.0, InstanceModel(12000.0, 460000.0, 7)),
+        ("12000 460000 7 100.000", 110.5, InstanceModel(12000.0, 460000.0)),  # stale
+        ("12000 460000 7 100.000", 99.0, InstanceModel(12000.0, 460000.0)),  # future
+        ("12000 460000 -3 100", 100.0, InstanceModel(12000.0, 460000.0)),
+        ("12000 460000 x 100", 100.0, InstanceModel(12000.0, 460000.0)),
+        ("0 0 9 100", 100.0, InstanceModel(0.0, 0.0, 9)),
+        ("-5 nan", 0.0, InstanceModel(0.0, 0.0)),
+        ("fast big", 0.0, InstanceModel(0.0, 0.0)),
+        ("", 0.0, InstanceModel(0.0, 0.0)),
+        (b"1 2 3 4", 4.0, InstanceModel(1.0, 2.0, 3)),
+    ],
+)
+def test_a_published_model_reads_back_and_a_stale_waiting_count_is_dropped(
+    text: str | bytes, now: float, model: InstanceModel
+) -> None:
+    assert model_of_text(text, now) == model
+
+
+def test_a_model_round_trips_through_its_text() -> None:
+    model = InstanceModel(11800.0, 1_000_000.0, 12)
+    assert model_of_text(model_text(model, 50.0), 51.0) == model
+    assert model_of_text(model_text(model, None), 51.0) == InstanceModel(11800.0, 1_000_000.0)
+
+
+def test_the_instance_reported_waiting_count_only_raises_the_routers_own() -> None:
+    work = admit(InstanceWork(), 0.0, prefill_tokens=1000, written_tokens=0, rate=1000)
+    assert InstanceModel(1000.0, 1.0, 0).waiting_with(work, 0.5) == 1
+    assert InstanceModel(1000.0, 1.0, 5).waiting_with(work, 0.5) == 5
+    assert InstanceModel(1000.0, 1.0, 5).waiting_with(work, 2.0) == 5

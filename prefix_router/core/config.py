@@ -209,7 +209,9 @@ class RouterConfig(_Frozen):
         le=1_000_000,
         description="ConcurrencyThreshold: requests waiting for their first token at which an "
         "instance is overloaded and takes no new request while another candidate can "
-        "(decoding requests do not count). null (the default): no such limit; the in-flight "
+        "(decoding requests do not count; the router's count, or the instance's own "
+        "vllm:num_requests_waiting if it reports more). null (the default): no such "
+        "limit; the in-flight "
         "bound (spill.load_factor) spreads load.",
     )
 

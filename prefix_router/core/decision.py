@@ -95,9 +95,11 @@ class DecisionRule:
     policy: SpillPolicyName
     threshold: int | None
     """ConcurrencyThreshold: requests waiting for their first token that make an instance
-    overloaded (None: no such limit)."""
+    overloaded (None: no such limit). The waiting count is the view's
+    (:meth:`~prefix_router.core.work.InstanceModel.waiting_with`)."""
     load_factor: float
-    """No instance above this times the fleet's mean in-flight requests (plus one)."""
+    """No instance above this times the fleet's mean in-flight requests (plus
+    :data:`IN_FLIGHT_SLACK`)."""
     placement_width: int
     """Ring candidates a prefix nobody holds may start on."""
     slots_log2: int

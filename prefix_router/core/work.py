@@ -14,7 +14,8 @@ the count ConcurrencyThreshold bounds. Decoding requests count in neither.
 
 The rate and the cache size are the instance's own (:class:`InstanceModel`): learned by the
 control plane from the instance's vLLM metrics (prompt tokens computed per second of
-prefill, ``num_gpu_blocks x block_size``), or the config's defaults until then.
+prefill, ``num_gpu_blocks x block_size``), or the config's defaults until then. So is the
+waiting count the instance itself reports, which can only raise the router's.
 ``written_tokens`` grows by every token the instance writes to its KV cache (computed
 prompt tokens and generated ones): the clock the prefix index (:mod:`.index`) uses to
 forget what the instance has evicted.
@@ -39,10 +40,59 @@ decision needs to know only whether that many are waiting, so stores keep that m
 
 @dataclass(frozen=True, slots=True)
 class InstanceModel:
-    """How fast an instance prefills and how much KV cache it has."""
+    """How fast an instance prefills, how much KV cache it has, and how many requests it
+    last said were waiting."""
 
     prefill_tokens_per_s: float
     kv_cache_tokens: float
+    waiting: int = 0
+    """``vllm:num_requests_waiting`` at the instance's latest scrape (0: unknown or stale).
+    It sees what the router's own count cannot: traffic that reached the instance by another
+    path, or prefill slower than modelled. Stale by up to a scrape interval, so it only
+    ever raises the count ConcurrencyThreshold compares (:meth:`InstanceWork.waiting` is
+    exact for what happens between scrapes)."""
+
+    def waiting_with(self, work: InstanceWork, now: float) -> int:
+        """Requests waiting for their first token: the router's count, or the instance's
+        own if it says more."""
+        return max(work.waiting(now), self.waiting)
+
+
+MEASURED_WAITING_MAX_AGE_S = 10.0
+"""A scraped waiting count older than this is ignored: the control plane scrapes every 2 s
+by default, so a count this old means its scrapes (or the control plane) stopped."""
+
+
+def model_text(model: InstanceModel, observed_at: float | None) -> str:
+    """``model`` as the control plane publishes it in Redis for every ext_proc replica:
+    ``rate capacity`` (0 where unknown), plus ``waiting observed_at`` (wall-clock seconds)
+    when the instance's latest scrape succeeded."""
+    text = f"{model.prefill_tokens_per_s:.0f} {model.kv_cache_tokens:.0f}"
+    if observed_at is None:
+        return text
+    return f"{text} {model.waiting} {observed_at:.3f}"
+
+
+def model_of_text(raw: bytes | str, now: float) -> InstanceModel:
+    """What :func:`model_text` wrote, as of wall-clock ``now``: 0 for what is unknown or
+    unreadable, and no waiting count once it is older than
+    :data:`MEASURED_WAITING_MAX_AGE_S` (or written in the future: another clock)."""
+    fields = (raw.decode() if isinstance(raw, bytes) else raw).split()
+    try:
+        rate, capacity = (max(0.0, float(x)) for x in fields[:2])
+    except ValueError:
+        return InstanceModel(0.0, 0.0)
+    if not (math.isfinite(rate) and math.isfinite(capacity)):
+        return InstanceModel(0.0, 0.0)
+    waiting = 0
+    if len(fields) == 4:
+        try:
+            count, at = int(fields[2]), float(fields[3])
+        except ValueError:
+            count, at = 0, math.nan
+        if 0 <= now - at <= MEASURED_WAITING_MAX_AGE_S:
+            waiting = max(0, count)
+    return InstanceModel(prefill_tokens_per_s=rate, kv_cache_tokens=capacity, waiting=waiting)
 
 
 class InstanceWork(NamedTuple):

@@ -117,7 +117,7 @@ class _View:
         model = store._models.get(name, self._table.default_model)
         return (
             work.backlog_s(now),
-            work.waiting(now),
+            model.waiting_with(work, now),
             store._in_flight.get(name, 0),
             model.prefill_tokens_per_s,
         )

@@ -16,7 +16,8 @@ Layout (``ns`` is the namespace, e.g. ``prefix-router:``):
                                     ends: its last prefill ends (ConcurrencyThreshold, 256 if off),
                                     space-separated (one field, not a list of its own: the
                                     script reads every instance's queue in one HMGET)
-``{ns}models``              hash    instance id -> ``rate capacity`` learned by the control plane
+``{ns}models``              hash    instance id -> ``rate capacity [waiting observed_at]``,
+                                    learned by the control plane (``core.work.model_text``)
 
 One background task sends everything as one script call per round trip (:mod:`.redis_lua`):
 the writes of the requests routed since the last one, then the reads the waiting requests'
@@ -44,6 +45,7 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import logging
+import time
 import uuid
 from collections import Counter
 from dataclasses import dataclass
@@ -59,7 +61,7 @@ from prefix_router.core.index import (
 )
 from prefix_router.core.key import PrefixKey
 from prefix_router.core.table import RoutingTable
-from prefix_router.core.work import InstanceModel, InstanceWork, admit
+from prefix_router.core.work import InstanceModel, InstanceWork, admit, model_of_text
 from prefix_router.state.routing.base import Routed, StateUnavailable
 from prefix_router.state.routing.redis_lua import (
     REAP,
@@ -320,6 +322,7 @@ class RedisStore:
             InstanceModel(
                 m.prefill_tokens_per_s or default.prefill_tokens_per_s,
                 m.kv_cache_tokens or default.kv_cache_tokens,
+                m.waiting,
             )
             if (m := self._learned.get(i))
             else default
@@ -344,7 +347,8 @@ class RedisStore:
             pipe.sadd(self.replicas_key, self.replica)
             pipe.hgetall(self.models_key)
             *_, models = await pipe.execute()
-        self._learned = {_text(k): _model(v) for k, v in models.items()}
+        now = time.time()  # the control plane stamps the waiting counts on the wall clock
+        self._learned = {_text(k): model_of_text(v, now) for k, v in models.items()}
         await self._reap(keys=[self.fleet_key, self.replicas_key], args=[self.namespace])
         if self._settle_at is not None and asyncio.get_running_loop().time() >= self._settle_at:
             self._settle_at = None
@@ -426,7 +430,7 @@ class _BatchView:
         work, now = self._work(instance), self.now
         return (
             work.backlog_s(now),
-            work.waiting(now),
+            self._models[instance].waiting_with(work, now),
             self._in_flight[instance],
             self._models[instance].prefill_tokens_per_s,
         )
@@ -460,15 +464,6 @@ class _BatchView:
         )
         self._in_flight[i] += 1
         self._total += 1
-
-
-def _model(raw: bytes) -> InstanceModel:
-    """A learned ``rate capacity`` pair; 0 (or unreadable) where nothing was learned."""
-    try:
-        rate, capacity = (max(0.0, float(x)) for x in raw.split())
-    except ValueError:
-        return InstanceModel(0.0, 0.0)
-    return InstanceModel(prefill_tokens_per_s=rate, kv_cache_tokens=capacity)
 
 
 def _text(value: bytes | str) -> str:
