@@ -215,9 +215,9 @@ def test_a_hot_prefix_waits_for_its_holder_then_spreads_over_the_in_flight_bound
     assert len({r.instance for r in nospill.records}) == 1
     # 1 ms apart, the second waits for the first's prefill on its holder (about 0.25 s at
     # the rate assumed before any is learned) rather than compute it again elsewhere (0.25 s,
-    # counted three times: it would delay whatever queues behind it there) ...
+    # counted miss_weight times: it would delay whatever queues behind it there) ...
     assert spill.records[0].instance == spill.records[1].instance
-    # ... until the holder has more in flight than 1.25 x the mean + 4
+    # ... until the holder has more in flight than load_factor x the mean + 4
     assert len({r.instance for r in spill.records}) > 1
 
 

@@ -261,7 +261,10 @@ def test_a_departed_instance_holds_nothing() -> None:
 
 
 def test_a_prefix_every_way_holds_counts_as_cached_everywhere() -> None:
-    fleet = Fleetwide()
+    # three of four instances over the in-flight bound at once needs load_factor < 4/3
+    fleet = Fleetwide(
+        table=RoutingTable.build(FLEET, CONFIG.patched({"spill": {"load_factor": 1.25}}))
+    )
     system = text("shared system prompt", 3000)
     placed = []
     for n in range(4):  # each holder over the in-flight bound in turn

@@ -156,7 +156,7 @@ async def test_fleet_view_reads_every_instance_and_the_load_store(fleetside: Fle
         (routed[0].instance_id, spilled.instance_id, f"req-{len(routed) - 1}")
     ]
     routable = sum(1 for r in snap.instances if r.routable)
-    bound = 1.25 * len(routed) / routable + 4  # load_factor x the fleet's mean + 4
+    bound = RouterConfig().spill.load_factor * len(routed) / routable + 4  # x the mean + 4
     assert snap.concurrency_threshold == 1 and snap.spill_limit == math.ceil(bound)
     assert snap.fleet.hit_rate == pytest.approx(a.hit_rate)  # only A served in the window
     assert snap.loads_error is None and snap.state_error is None

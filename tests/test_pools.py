@@ -156,7 +156,7 @@ async def test_every_decision_stays_inside_the_pool_spill_included() -> None:
     router = RequestRouter(table, InProcessStore())
     pools = {m: members(table, m) for m in ("base-a", "a-sql", "base-b")}
     held = []
-    for n in range(40):
+    for n in range(60):  # 20 a model: past the in-flight bound of a pool of two
         model = ("a-sql", "base-b", "base-a")[n % 3]
         result = await router.route(body(model, "the same hot prompt " * 40), path=PATH, tenant="")
         held.append(result)

@@ -144,10 +144,10 @@ async def test_a_hot_prefix_spreads_with_load_and_never_overloads_one(
 
     async with PeakSampler(stack) as sampler:
         served = await burst(stack, 100)
-    # The in-flight bound is 1.25 x the fleet's mean + 4. One replica decides a burst in
-    # order, each request seeing the ones before it. Replicas see each other's decisions one
-    # Redis round trip late: a burst that reaches both at once may fill an instance to the
-    # bound from each side (docs/reliability.md says so).
+    # The in-flight bound is load_factor (1.4) x the fleet's mean + 4. One replica decides a
+    # burst in order, each request seeing the ones before it. Replicas see each other's
+    # decisions one Redis round trip late: a burst that reaches both at once may fill an
+    # instance to the bound from each side (docs/reliability.md says so).
     bound = math.ceil(stack.config.spill.load_factor * 100 / INSTANCES + 4) * replicas
     assert max(sampler.peak.values()) <= bound, (sampler.peak, uncounted_routing_stats(stack))
     assert sum(served.values()) == 100 and max(served.values()) <= bound, served
@@ -182,7 +182,7 @@ async def test_a_new_prefix_starts_beside_its_busy_ring_pick_and_stays_there(
     url = f"{stack.url}/v1/chat/completions"
     async with httpx.AsyncClient(timeout=60) as client:
         # two in flight on the hot prefix's holder put it over the in-flight bound
-        # (1.25 x (2 / 8 + 1) = 1.56): busy for a prefix nobody holds
+        # (1.4 x (2 / 8 + 1) = 1.75): busy for a prefix nobody holds
         hot = asyncio.gather(*(client.post(url, content=chat_body(HOT_PROMPT)) for _ in range(2)))
         redis = aioredis.Redis.from_url(REDIS_URL)
         try:

@@ -99,7 +99,7 @@ def test_status_page_shows_the_fleet_and_follows_changes(
         shown = rows(driver)
         assert sum(percent(shown[i][SHARE]) for i in ids) == pytest.approx(100, abs=0.2)
         assert all(percent(shown[i][SHARE]) > 5 for i in ids)
-        # in flight / the in-flight bound: 1.25 x the fleet's mean + 4, 4 when idle
+        # in flight / the in-flight bound: load_factor x the fleet's mean + 4, 4 when idle
         assert all(shown[i][LOAD] == "0 / 4" for i in ids)
         # vLLM's own figures arrive with the next scrape rounds (every 2 s)
         wait_for(

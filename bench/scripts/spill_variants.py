@@ -32,23 +32,32 @@ from bench.scripts.routing_defaults import NUM_GPU_BLOCKS, PREFILL_TOKENS_PER_S,
 from prefix_router.core.config import RouterConfig
 from vllm_sim.config import make_config
 
+STOP_32: dict[str, Any] = {"spill": {"load_factor": 1.25}, "placement": {"width": 4}}
+"""What stop 32's runs held fixed, the defaults then: the variants below were run with it."""
+
 VARIANTS: dict[str, tuple[Policy, dict[str, Any]]] = {
     "default": (Policy.PREFIX_SPILL, {}),
-    "prefix": (Policy.PREFIX, {}),
+    "stop32": (Policy.PREFIX_SPILL, STOP_32),
+    "prefix": (Policy.PREFIX, STOP_32),
     "old": (
         Policy.PREFIX_SPILL,
-        {"concurrency_threshold": 256, "spill": {"miss_weight": 3.0}},
+        {
+            **STOP_32,
+            "concurrency_threshold": 256,
+            "spill": {"load_factor": 1.25, "miss_weight": 3.0},
+        },
     ),
-    "mw3": (Policy.PREFIX_SPILL, {"spill": {"miss_weight": 3.0}}),
-    "mw30": (Policy.PREFIX_SPILL, {"spill": {"miss_weight": 30.0}}),
-    "t256": (Policy.PREFIX_SPILL, {"concurrency_threshold": 256}),
-    "lf1.4": (Policy.PREFIX_SPILL, {"spill": {"load_factor": 1.4}}),
-    "lf2": (Policy.PREFIX_SPILL, {"spill": {"load_factor": 2.0}}),
-    "lf100": (Policy.PREFIX_SPILL, {"spill": {"load_factor": 100.0}}),
+    "mw3": (Policy.PREFIX_SPILL, {**STOP_32, "spill": {"load_factor": 1.25, "miss_weight": 3.0}}),
+    "mw30": (Policy.PREFIX_SPILL, {**STOP_32, "spill": {"load_factor": 1.25, "miss_weight": 30.0}}),
+    "t256": (Policy.PREFIX_SPILL, {**STOP_32, "concurrency_threshold": 256}),
+    "lf1.4": (Policy.PREFIX_SPILL, {**STOP_32, "spill": {"load_factor": 1.4}}),
+    "lf2": (Policy.PREFIX_SPILL, {**STOP_32, "spill": {"load_factor": 2.0}}),
+    "lf100": (Policy.PREFIX_SPILL, {**STOP_32, "spill": {"load_factor": 100.0}}),
 }
-"""``default``: the defaults (miss_weight 100, no ConcurrencyThreshold); ``old``: the
-defaults before them (miss_weight 3, ConcurrencyThreshold 256); ``mw3`` and ``t256`` put
-back one of the two."""
+"""``default``: today's defaults; ``stop32``: the defaults of stop 32 (miss_weight 100, no
+ConcurrencyThreshold, load_factor 1.25, placement width 4), against which every other
+variant changes one thing; ``old``: the defaults before those (miss_weight 3,
+ConcurrencyThreshold 256); ``mw3`` and ``t256`` put back one of the two."""
 
 RATES: dict[str, tuple[float, ...]] = {
     "rag": (88.0, 120.0, 150.0, 188.0),

@@ -70,7 +70,7 @@ class SpillConfig(_Frozen):
 
     policy: SpillPolicyName = SpillPolicyName.LEAST_WORK
     load_factor: float = Field(
-        1.25,
+        1.4,
         gt=1.0,
         le=100.0,
         description="No instance takes new requests above load_factor x the fleet's mean "
@@ -94,7 +94,7 @@ class PlacementConfig(_Frozen):
     there through the prefix index."""
 
     width: int = Field(
-        4, ge=1, le=16, description="Ring candidates a prefix nobody holds may start on."
+        8, ge=1, le=16, description="Ring candidates a prefix nobody holds may start on."
     )
 
 
