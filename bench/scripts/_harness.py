@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import datetime
 import json
 import re
 import shutil
@@ -15,6 +16,23 @@ ROOT = Path(__file__).resolve().parents[2]
 """The repository root (results are written under ``bench/results``)."""
 
 _UNITS = {"us": 1e-3, "ms": 1.0, "s": 1000.0}
+
+
+def run_heading(when: datetime.datetime | None = None) -> str:
+    """A results file's heading for one run: when (UTC) and what code (the commit, ``+``
+    if the tree had changes), so runs appended to one file stay told apart."""
+    when = when or datetime.datetime.now(datetime.UTC)
+    try:
+        commit = subprocess.run(
+            ["git", "-C", str(ROOT), "describe", "--always", "--dirty=+"],
+            capture_output=True,
+            text=True,
+            timeout=10,
+            check=True,
+        ).stdout.strip()
+    except (OSError, subprocess.SubprocessError):
+        commit = "unknown commit"
+    return f"### Run of {when:%Y-%m-%d %H:%M} UTC at {commit}"
 
 
 def require_wrk() -> str:

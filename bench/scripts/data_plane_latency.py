@@ -29,7 +29,7 @@ import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.scripts._harness import ROOT, chat_body, cpu_seconds, run_wrk
+from bench.scripts._harness import ROOT, chat_body, cpu_seconds, run_heading, run_wrk
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.envoy.bootstrap import BootstrapParams
@@ -155,6 +155,8 @@ def main() -> None:
                 )
         table = "\n".join(
             [
+                run_heading(),
+                "",
                 f"ext_proc processes: {args.ext_procs}; Envoy workers: {args.envoy_concurrency}; "
                 f"load store: {'Redis' if args.redis_url else 'in-process'}",
                 "",
