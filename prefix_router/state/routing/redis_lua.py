@@ -13,6 +13,8 @@ through the Redis store took (~45 arguments a round trip).
 
 from __future__ import annotations
 
+import struct
+from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
 
@@ -74,10 +76,26 @@ class SyncArgs:
         return packed
 
 
-InstanceRead = tuple[float, float, int, list[float]]
+QUEUE_FORMAT = ">d"
+"""An instance's prefill ends in the work hash (``{id}:queue``): ascending big-endian
+float64s, one string. Stored binary so the script never parses a queue entry by entry:
+with text (one ``tonumber`` per end, for every instance, on every round trip) a round trip
+over 8 instances cost Redis 185 us of script at 16 waiting requests each and 1.7 ms at
+256; the reads now return each queue whole and a write finds its place by binary search.
+"""
+
+InstanceRead = tuple[float, float, int, bytes]
 """One instance as :data:`SYNC` read it: ``busy_until``, ``written_tokens``, fleet-wide in
-flight, its prefill ends still ahead (numbers as MessagePack carries them: an integral
-one as an int)."""
+flight, and its prefill ends as stored (:data:`QUEUE_FORMAT`; those already passed
+included: see :func:`queue_ahead`). Numbers as MessagePack carries them: an integral one
+as an int."""
+
+
+def queue_ahead(raw: bytes, now: float) -> tuple[float, ...]:
+    """The prefill ends of a stored queue (:data:`QUEUE_FORMAT`) that lie after ``now``. A
+    trailing partial entry (not written by this code) is ignored."""
+    ends = struct.unpack(f">{len(raw) // 8}d", raw[: len(raw) - len(raw) % 8])
+    return ends[bisect_right(ends, now) :]
 
 
 def unpack_reply(reply: bytes, instances: int) -> tuple[float, list[InstanceRead], list[bytes]]:
@@ -95,11 +113,28 @@ local function pad(s, n)
   if #s < n then return s .. string.rep('\\0', n - #s) end
   return s
 end
--- an instance's prefill ends: one field of the work hash, ascending, space-separated
-local function split(s)
-  local out = {}
-  if s then for e in string.gmatch(s, '%S+') do out[#out + 1] = e end end
-  return out
+-- an instance's prefill ends: one field of the work hash, ascending, each a big-endian
+-- float64 (QUEUE_FORMAT). Kept binary so that no round trip parses a queue entry by entry:
+-- reads return the field whole, writes find their place by binary search
+local D = 8
+local function count(s) return math.floor(#s / D) end
+local function passed(s, t)  -- how many ends are at or before t
+  local lo, hi = 0, count(s)
+  while lo < hi do
+    local mid = math.floor((lo + hi) / 2)
+    if struct.unpack('>d', s, mid * D + 1) <= t then lo = mid + 1 else hi = mid end
+  end
+  return lo
+end
+local function shifted(s, by)  -- every end moved by `by` seconds, a chunk per C call
+  local out, n = {}, count(s)
+  for first = 0, n - 1, 200 do
+    local k = math.min(200, n - first)
+    local v = {struct.unpack('>' .. string.rep('d', k), s, first * D + 1)}
+    for j = 1, k do v[j] = v[j] + by end
+    out[#out + 1] = struct.pack('>' .. string.rep('d', k), unpack(v, 1, k))
+  end
+  return table.concat(out)
 end
 -- reserves, then releases (a request's release may share its reserve's round trip)
 for _, id in ipairs(a[4]) do
@@ -117,14 +152,12 @@ for _, release in ipairs(a[5]) do
   end
   if done > now then
     local early = done - now  -- the queue behind the request moves up by as much
-    local work = redis.call('HMGET', KEYS[6], id .. ':busy', id .. ':ends')
+    local work = redis.call('HMGET', KEYS[6], id .. ':busy', id .. ':queue')
     local busy = tonumber(work[1]) or 0
-    local kept = {}
-    for _, e in ipairs(split(work[2])) do
-      if tonumber(e) > done then kept[#kept + 1] = tostring(tonumber(e) - early) end
-    end
+    local queue = work[2] or ''
+    local ahead = shifted(string.sub(queue, passed(queue, done) * D + 1), -early)
     redis.call('HSET', KEYS[6], id .. ':busy', tostring(math.max(now, busy - early)),
-      id .. ':ends', table.concat(kept, ' '))
+      id .. ':queue', ahead)
   end
 end
 -- admits: queue the prefill after what is queued (any replica's); count the decision
@@ -132,18 +165,16 @@ local counted = {}
 for _, admit in ipairs(a[6]) do
   local id, decided_at, prefill, written, rate = admit[1], admit[2], admit[3], admit[4], admit[5]
   local outcome, home, request = admit[6], admit[7], admit[8]
-  local work = redis.call('HMGET', KEYS[6], id .. ':busy', id .. ':ends')
+  local work = redis.call('HMGET', KEYS[6], id .. ':busy', id .. ':queue')
   local busy = tonumber(work[1]) or 0
   local done = math.max(decided_at, busy) + prefill / rate  -- it arrived when decided
-  local ends = {}  -- those still ahead (ends passed would pile up to keep, each read
-  for _, e in ipairs(split(work[2])) do  -- parsing them all again: 8 x 256 on a quiet fleet)
-    if tonumber(e) > now then ends[#ends + 1] = e end
-  end
-  ends[#ends + 1] = tostring(done)
-  -- the last keep: those still ahead are the latest (the queue only grows at its end)
-  local first = math.max(1, #ends - keep + 1)
-  redis.call('HSET', KEYS[6], id .. ':busy', tostring(done),
-    id .. ':ends', table.concat(ends, ' ', first))
+  local queue = work[2] or ''
+  -- those still ahead, then this one, the last keep of them (the queue only grows at
+  -- its end, so those still ahead are the latest)
+  queue = string.sub(queue, passed(queue, now) * D + 1) .. struct.pack('>d', done)
+  keep = math.max(1, keep)
+  if count(queue) > keep then queue = string.sub(queue, #queue - keep * D + 1) end
+  redis.call('HSET', KEYS[6], id .. ':busy', tostring(done), id .. ':queue', queue)
   redis.call('HINCRBYFLOAT', KEYS[6], id .. ':written', written)
   counted[outcome] = (counted[outcome] or 0) + 1
   if outcome == 'spilled' then
@@ -161,26 +192,21 @@ for _, w in ipairs(a[7]) do  -- EntryWrite: slot, way, expected, new
   if current == expected then redis.call('SETRANGE', KEYS[5], offset, new) end
 end
 -- reads: each instance's queue and counts, then the index slots asked for (one HMGET
--- per hash for all the instances: a redis.call costs more than its work here); ends
--- already passed are left for the instance's next write to drop
+-- per hash for all the instances: a redis.call costs more than its work here); a queue
+-- goes back as stored, ends already passed included (the reader skips them)
 local out = {tonumber(tostring(now))}  -- as a string would carry it: 14 digits
 local ids = a[8]
 if #ids > 0 then
   local fields = {}
   for i, id in ipairs(ids) do
     fields[3 * i - 2], fields[3 * i - 1], fields[3 * i] = id .. ':busy', id .. ':written',
-      id .. ':ends'
+      id .. ':queue'
   end
   local work = redis.call('HMGET', KEYS[6], unpack(fields))
   local counts = redis.call('HMGET', KEYS[1], unpack(ids))
   for i = 1, #ids do
-    local kept = {}
-    for _, e in ipairs(split(work[3 * i])) do
-      local v = tonumber(e)
-      if v > now then kept[#kept + 1] = v end
-    end
     out[#out + 1] = {tonumber(work[3 * i - 2]) or 0, tonumber(work[3 * i - 1]) or 0,
-      tonumber(counts[i]) or 0, kept}
+      tonumber(counts[i]) or 0, work[3 * i] or ''}
   end
 end
 for _, slot in ipairs(a[9]) do
@@ -191,7 +217,7 @@ return cmsgpack.pack(out)
 """
 """One round trip. ARGV: :meth:`SyncArgs.pack`. Returns one
 MessagePack blob (:func:`unpack_reply`): ``now``; per instance asked for, ``busy_until``,
-``written_tokens``, fleet-wide in flight and its prefill ends still ahead; then each slot."""
+``written_tokens``, fleet-wide in flight and its queue as stored; then each slot."""
 
 REWRITE_SHARE = """
 local old = redis.call('HGETALL', KEYS[2])

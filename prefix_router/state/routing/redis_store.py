@@ -11,11 +11,12 @@ Layout (``ns`` is the namespace, e.g. ``prefix-router:``):
                                     ``{time, home, to, request_id}``
 ``{ns}index:{slots_log2}``  string  the prefix index (:mod:`prefix_router.core.index`):
                                     ``32 x 2**slots_log2`` bytes at most (8 MiB at 18)
-``{ns}work``                hash    ``{id}:busy``, ``{id}:written`` and ``{id}:ends`` of each
+``{ns}work``                hash    ``{id}:busy``, ``{id}:written`` and ``{id}:queue`` of each
                                     instance's prefill queue (:mod:`prefix_router.core.work`);
-                                    ends: its last prefill ends (ConcurrencyThreshold, 256 if off),
-                                    space-separated (one field, not a list of its own: the
-                                    script reads every instance's queue in one HMGET)
+                                    queue: its last prefill ends (ConcurrencyThreshold, 256 if
+                                    off) as packed float64s (``redis_lua.QUEUE_FORMAT``; one
+                                    field, not a list of its own: the script reads every
+                                    instance's queue in one HMGET)
 ``{ns}models``              hash    instance id -> ``rate capacity [waiting observed_at]``,
                                     learned by the control plane (``core.work.model_text``)
 
@@ -68,6 +69,7 @@ from prefix_router.state.routing.redis_lua import (
     REWRITE_SHARE,
     SYNC,
     SyncArgs,
+    queue_ahead,
     unpack_reply,
 )
 
@@ -415,8 +417,8 @@ class _BatchView:
     def _work(self, instance: int) -> InstanceWork:
         work = self._works[instance]
         if work is None:
-            busy, written, _, ends = self._read[instance]
-            work = InstanceWork(float(busy), tuple(map(float, ends)), float(written))
+            busy, written, _, queue = self._read[instance]
+            work = InstanceWork(float(busy), queue_ahead(queue, self.now), float(written))
             self._works[instance] = work
         return work
 
