@@ -19,6 +19,7 @@ from hypothesis import HealthCheck, given, settings
 from hypothesis import strategies as st
 
 from prefix_router.core.work import InstanceWork, admit, finished
+from prefix_router.state.routing import redis_lua
 from prefix_router.state.routing.redis_lua import SYNC, SyncArgs, queue_ahead, unpack_reply
 from tests.conftest import REDIS_URL
 
@@ -43,16 +44,14 @@ def client() -> Iterator[redis.Redis]:
 
 
 def keys(namespace: str) -> list[str]:
-    return [
-        f"{namespace}{k}" for k in ("inflight", "share", "decisions", "spills", "index", "work")
-    ]
+    return [f"{namespace}{k}" for k in redis_lua.KEYS]
 
 
 def sync(client: redis.Redis, namespace: str, args: SyncArgs) -> tuple[float, float, bytes]:
     """One round trip; the script's ``now``, then the instance's ``busy_until`` and queue."""
     args.instances = [ID]
-    reply = client.eval(SYNC, 6, *keys(namespace), args.pack())
-    now, read, _ = unpack_reply(reply, 1)
+    reply = client.eval(SYNC, len(redis_lua.KEYS), *keys(namespace), args.pack())
+    now, read, _, _ = unpack_reply(reply, 1)
     busy, _, _, queue = read[0]
     return float(now), float(busy), queue
 

@@ -25,6 +25,7 @@ from prefix_router.state.routing import (
     Routed,
     RoutingStore,
     StateUnavailable,
+    redis_lua,
     redis_store,
 )
 from prefix_router.state.routing.redis_store import RedisStore
@@ -175,6 +176,106 @@ async def test_replicas_share_the_index_and_the_counts(namespace: str) -> None:
     finally:
         await one.close()
         await two.close()
+
+
+async def fresh(store: RedisStore, body: bytes) -> Routed:
+    """Route ``body`` on ``store`` after its copy has caught up with everything written so
+    far: a request of its own, whose writes go out with a round trip that reads the log."""
+    warm = await route(store, doc("warm-up") + str(time.monotonic()).encode())
+    store.release(warm.instance_id)
+    seq = store._copy.seq if store._copy else -1
+    for _ in range(500):  # the round trip after the writes, within WRITE_DELAY_S
+        await asyncio.sleep(0.002)
+        if store._copy is not None and store._copy.seq > seq and not store._next:
+            break
+    return await route(store, body)
+
+
+async def test_a_replica_decides_at_once_on_its_copy_and_sees_the_others(
+    namespace: str,
+) -> None:
+    """With a fresh copy of the routing state a replica routes without a round trip, and
+    the index log brings it what another replica placed meanwhile."""
+    one = await RedisStore.connect(REDIS_URL, namespace=namespace, timeout_s=1.0)
+    two = await RedisStore.connect(REDIS_URL, namespace=namespace, timeout_s=1.0)
+    try:
+        await fresh(two, doc("two's own"))  # two has a copy from here on
+        placed = await route(one, doc("handbook") + b"first")
+        assert placed.decision.outcome is Outcome.PLACED
+        await settled(one, {placed.instance_id: 1, **await one.in_flight()})
+        before = two.decided_at_once
+        found = await fresh(two, doc("handbook") + b"second")
+        assert two.decided_at_once > before  # decided on the copy, no round trip waited
+        assert (found.decision.outcome, found.instance_id) == (Outcome.HOME, placed.instance_id)
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_a_replica_behind_the_log_loads_the_index_again(
+    namespace: str, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    monkeypatch.setattr(redis_lua, "LOG_KEEP", 2)
+    one = await RedisStore.connect(REDIS_URL, namespace=namespace, timeout_s=1.0)
+    two = await RedisStore.connect(REDIS_URL, namespace=namespace, timeout_s=1.0)
+    try:
+        await fresh(two, doc("two's own"))
+        loaded = two._copy
+        for n in range(5):  # five batches of index writes: more than the log keeps
+            seq = one._copy.seq if one._copy else -1
+            placed = await route(one, doc(f"book {n}") + b"first")
+            one.release(placed.instance_id)
+            for _ in range(500):  # until its own round trip has logged the writes
+                if one._copy is not None and one._copy.seq > seq:
+                    break
+                await asyncio.sleep(0.002)
+        found = await fresh(two, doc("book 4") + b"second")
+        assert two._copy is not loaded  # loaded again
+        assert (found.decision.outcome, found.instance_id) == (Outcome.HOME, placed.instance_id)
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_an_idle_replica_keeps_its_copy_current(namespace: str) -> None:
+    """A replica with no traffic of its own still reads the index log (every
+    ``REFRESH_S``), so it does not fall behind what the log keeps."""
+    one = await RedisStore.connect(REDIS_URL, namespace=namespace, timeout_s=1.0)
+    two = await RedisStore.connect(REDIS_URL, namespace=namespace, timeout_s=1.0)
+    try:
+        routed = await fresh(two, doc("two's own"))
+        two.release(routed.instance_id)
+        for _ in range(500):  # two's last writes gone: from here on it has no traffic
+            await asyncio.sleep(0.002)
+            if not two._next and two._write_timer is None:
+                break
+        await asyncio.sleep(0.01)
+        assert two._copy is not None
+        seq = two._copy.seq
+        placed = await route(one, doc("atlas") + b"first")
+        one.release(placed.instance_id)
+        for _ in range(200):
+            if two._copy is not None and two._copy.seq > seq:
+                break
+            await asyncio.sleep(0.01)
+        assert two._copy is not None and two._copy.seq > seq
+    finally:
+        await one.close()
+        await two.close()
+
+
+async def test_with_no_staleness_every_decision_waits_for_a_round_trip(namespace: str) -> None:
+    table = RoutingTable.build(FLEET, CONFIG.patched({"redis_max_staleness_ms": 0}))
+    store = await RedisStore.connect(REDIS_URL, namespace=namespace, timeout_s=1.0)
+    try:
+        for n in range(5):
+            routed = await store.route(key(doc("report") + bytes([n])), table)
+            store.release(routed.instance_id)
+            await asyncio.sleep(0.001)
+        assert (store.decided_at_once, store.decided_after_round_trip) == (0, 5)
+        assert store._copy is None
+    finally:
+        await store.close()
 
 
 async def test_a_share_in_doubt_is_rewritten_before_the_next_batch(namespace: str) -> None:

@@ -239,6 +239,16 @@ class RouterConfig(_Frozen):
         description="Longest one Redis round trip may take; past it ext_proc routes on its "
         "own counts and leaves Redis alone for a short back-off.",
     )
+    redis_max_staleness_ms: float = Field(
+        10.0,
+        ge=0,
+        le=1000,
+        description="How old the copy of the fleet-wide routing state an ext_proc replica "
+        "decides on may be. Each replica keeps a copy (the prefix index, every instance's "
+        "queue and counts) that each Redis round trip refreshes, and decides at once while "
+        "it was refreshed within this many ms; past that a request waits for a round trip. "
+        "0: every decision waits for one. Only for an index of at most 2**20 slots.",
+    )
 
     @model_validator(mode="before")
     @classmethod

@@ -17,12 +17,13 @@ import struct
 from bisect import bisect_right
 from collections.abc import Sequence
 from dataclasses import dataclass, field
+from typing import NamedTuple
 
 import msgpack
 
 from prefix_router.core.index import ENTRY_BYTES, SLOT_BYTES, EntryWrite
 
-KEYS = ("inflight", "share", "decisions", "spills", "index", "work")
+KEYS = ("inflight", "share", "decisions", "spills", "index", "work", "index_seq", "index_log")
 """KEYS of :data:`SYNC`, in order (see :class:`~.redis_store.Keys` for the names)."""
 
 ADMIT_FIELDS = (
@@ -49,9 +50,13 @@ class SyncArgs:
     slots: Sequence[int] = ()
     keep: int = 256
     """Prefill ends kept per instance (the decision needs ConcurrencyThreshold of them)."""
+    log_from: int = -1
+    """Return the index log after this sequence number (-1: not at all; see :data:`SYNC`)."""
 
     def __bool__(self) -> bool:
-        return bool(self.reserves or self.releases or self.admits or self.writes or self.slots)
+        return bool(
+            self.reserves or self.releases or self.admits or self.writes or self.slots
+        ) or bool(self.instances)
 
     def pack(self, clock_scale: float = 1.0) -> bytes:
         """The script's ``ARGV[1]``; ``clock_scale`` multiplies Redis's clock (see
@@ -70,6 +75,8 @@ class SyncArgs:
                 self.instances,
                 self.slots,
                 clock_scale,
+                self.log_from,
+                LOG_KEEP,
             ),
             use_bin_type=False,
         )
@@ -98,10 +105,37 @@ def queue_ahead(raw: bytes, now: float) -> tuple[float, ...]:
     return ends[bisect_right(ends, now) :]
 
 
-def unpack_reply(reply: bytes, instances: int) -> tuple[float, list[InstanceRead], list[bytes]]:
-    """:data:`SYNC`'s reply: ``now``, each of the ``instances`` asked for, each slot."""
-    now, *read = msgpack.unpackb(reply, raw=True)
-    return now, read[:instances], read[instances:]
+LOG_KEEP = 4096
+"""Batches of index writes the log keeps (``index_log``): a replica that falls further
+behind than this reloads the whole index."""
+
+LOG_RECORD = struct.Struct(">I8s")
+"""One entry of the index log: its byte offset in the index and what it holds now (the
+write's new bytes if the compare-and-set took, else what held it)."""
+
+
+class LogRead(NamedTuple):
+    """The index log as one round trip read it."""
+
+    seq: int
+    """The log's sequence number: batches of index writes applied so far."""
+    batches: list[bytes] | None
+    """Each batch after the one asked for, oldest first (:data:`LOG_RECORD` each); None:
+    the log no longer holds them all (reload the index)."""
+
+
+def unpack_reply(
+    reply: bytes, instances: int
+) -> tuple[float, list[InstanceRead], list[bytes], LogRead | None]:
+    """:data:`SYNC`'s reply: ``now``, each of the ``instances`` asked for, each slot, and
+    the index log if it was asked for."""
+    now, log, *read = msgpack.unpackb(reply, raw=True)
+    log_read = None
+    if log:
+        seq, batches = log
+        # false: the log no longer holds them; an empty Lua table packs as {} or []
+        log_read = LogRead(int(seq), None if batches is False else list(batches)[::-1])
+    return now, read[:instances], read[instances:], log_read
 
 
 SYNC = """
@@ -184,17 +218,42 @@ for _, admit in ipairs(a[6]) do
   end
 end
 for outcome, n in pairs(counted) do redis.call('HINCRBY', KEYS[3], outcome, n) end
--- index entries: compare-and-set, so a concurrent writer's entry is never overwritten
+-- index entries: compare-and-set, so a concurrent writer's entry is never overwritten;
+-- what each entry holds after it goes to the index log, from which replicas that decide on
+-- a copy of the index (redis_store) keep it current
+local logged = {}
 for _, w in ipairs(a[7]) do  -- EntryWrite: slot, way, expected, new
   local offset, expected, new = w[1] * slot_bytes + w[2] * entry_bytes, w[3], w[4]
   local last = offset + entry_bytes - 1
   local current = pad(redis.call('GETRANGE', KEYS[5], offset, last), entry_bytes)
-  if current == expected then redis.call('SETRANGE', KEYS[5], offset, new) end
+  if current == expected then
+    redis.call('SETRANGE', KEYS[5], offset, new)
+    current = new
+  end
+  logged[#logged + 1] = struct.pack('>I', offset) .. current
+end
+if #logged > 0 then
+  redis.call('INCR', KEYS[7])
+  redis.call('LPUSH', KEYS[8], table.concat(logged))
+  redis.call('LTRIM', KEYS[8], 0, a[12] - 1)
 end
 -- reads: each instance's queue and counts, then the index slots asked for (one HMGET
 -- per hash for all the instances: a redis.call costs more than its work here); a queue
 -- goes back as stored, ends already passed included (the reader skips them)
-local out = {tonumber(tostring(now))}  -- as a string would carry it: 14 digits
+local out = {tonumber(tostring(now)), false}  -- now: as a string would carry it
+-- the index log after a[11], newest first; false for the batches if it holds too few
+if a[11] >= 0 then
+  local seq = tonumber(redis.call('GET', KEYS[7])) or 0
+  local behind = seq - a[11]
+  local batches = false
+  if behind == 0 then
+    batches = {}
+  elseif behind > 0 and behind <= a[12] then
+    batches = redis.call('LRANGE', KEYS[8], 0, behind - 1)
+    if #batches < behind then batches = false end
+  end
+  out[2] = {seq, batches}
+end
 local ids = a[8]
 if #ids > 0 then
   local fields = {}
@@ -216,8 +275,9 @@ end
 return cmsgpack.pack(out)
 """
 """One round trip. ARGV: :meth:`SyncArgs.pack`. Returns one
-MessagePack blob (:func:`unpack_reply`): ``now``; per instance asked for, ``busy_until``,
-``written_tokens``, fleet-wide in flight and its queue as stored; then each slot."""
+MessagePack blob (:func:`unpack_reply`): ``now``; the index log (false unless asked
+for); per instance asked for, ``busy_until``, ``written_tokens``, fleet-wide in flight and
+its queue as stored; then each slot."""
 
 REWRITE_SHARE = """
 local old = redis.call('HGETALL', KEYS[2])

@@ -19,18 +19,33 @@ Layout (``ns`` is the namespace, e.g. ``prefix-router:``):
                                     instance's queue in one HMGET)
 ``{ns}models``              hash    instance id -> ``rate capacity [waiting observed_at]``,
                                     learned by the control plane (``core.work.model_text``)
+``{ns}index-seq:{slots_log2}``  int  batches of index writes applied so far
+``{ns}index-log:{slots_log2}``  list  the last ``redis_lua.LOG_KEEP`` batches, newest first:
+                                    each written entry's offset and what it holds after
 
 One background task sends everything as one script call per round trip (:mod:`.redis_lua`):
-the writes of the requests routed since the last one, then the reads the waiting requests'
-decisions need (each instance's queue and counts, the index slots of their blocks). The
-requests are then decided in order in Python, each seeing the ones before it, and their
-writes ride on the next round trip (within ``WRITE_DELAY_S``, whether or not a request
-waits). So a request waits for one round trip, however many share it.
+the writes of the requests routed since the last one, then the reads the decisions need
+(each instance's queue and counts, and what changed in the index). Requests are decided in
+Python, each seeing the ones before it, and their writes ride on the next round trip
+(within ``WRITE_DELAY_S``, whether or not a request waits).
 
-Replicas see each other's decisions one round trip late, so two may both send a request
-to an instance that one alone would have considered full: the bounds are soft by that
-much. The writes themselves are atomic: a prefill is queued after whatever is queued when
-it lands, and an index entry changes only if it still holds what the decision read.
+Each replica keeps a **copy** of what it decides on: the whole index (8 MiB at the default
+size), kept current from the index log the script appends to (what each entry written
+holds after the write), and the last round trip's read of every instance's queue and
+counts, with this replica's own decisions and releases since applied on top. A request
+is decided on the copy at once, with no round trip, while the copy was refreshed within
+``redis_max_staleness_ms`` (10 ms by default; traffic refreshes it every
+``WRITE_DELAY_S``, and an idle replica every ``REFRESH_S``); past that it waits for one
+round trip, which refreshes it, as every request did before the copy (and does with the
+setting at 0, or an index over ``COPY_MAX_SLOTS_LOG2``). A replica that falls further
+behind than the log keeps loads the index again in the background, its requests waiting
+for their round trip meanwhile; so does one whose round trip failed.
+
+Replicas thus see each other's decisions up to ``WRITE_DELAY_S`` plus their copy's age
+late, so two may both send a request to an instance that one alone would have considered
+full: the bounds are soft by that much. The writes themselves are atomic: a prefill is
+queued after whatever is queued when it lands, and an index entry changes only if it still
+holds what the decision read.
 
 Counts heal themselves as before: a replica that dies stops beating, and any replica's
 janitor (or the control plane's) subtracts the dead replica's share from the fleet-wide
@@ -56,18 +71,22 @@ from redis.exceptions import RedisError
 
 from prefix_router.core.decision import Decision, Load, Outcome
 from prefix_router.core.index import (
+    ENTRY_BYTES,
+    SLOT_BYTES,
     CacheModel,
     apply,
     locate,
 )
 from prefix_router.core.key import PrefixKey
 from prefix_router.core.table import RoutingTable
-from prefix_router.core.work import InstanceModel, InstanceWork, admit, model_of_text
+from prefix_router.core.work import InstanceModel, InstanceWork, admit, finished, model_of_text
 from prefix_router.state.routing.base import Routed, StateUnavailable
 from prefix_router.state.routing.redis_lua import (
+    LOG_RECORD,
     REAP,
     REWRITE_SHARE,
     SYNC,
+    InstanceRead,
     SyncArgs,
     queue_ahead,
     unpack_reply,
@@ -83,6 +102,16 @@ rewritten again, to undo writes of the outage that the server applied late."""
 WRITE_DELAY_S = 0.002
 """Longest a write (a release, a routed request's index entries and counts) waits for a
 round trip to ride on; other replicas see it that much later at most."""
+COPY_MAX_SLOTS_LOG2 = 20
+"""Largest index a replica keeps a copy of (32 MiB); a larger one is read slot by slot, each
+request waiting for its round trip."""
+RELOAD_TIMEOUT_S = 2.0
+"""Longest the copy of the whole index may take to load (8 MiB at the default size)."""
+RELOAD_BACKOFF_S = 1.0
+"""Least time between two loads of the copy."""
+REFRESH_S = 0.1
+"""Longest a replica keeping a copy goes without a round trip, traffic or not, so that it
+stays within the index log (``redis_lua.LOG_KEEP`` batches of the whole fleet's writes)."""
 
 
 @dataclass(slots=True)
@@ -148,6 +177,23 @@ class RedisStore:
         self._models: tuple[RoutingTable | None, dict[str, InstanceModel], list[InstanceModel]]
         self._models = (None, self._learned, [])
         """The last table's instance models, as of the last learned models."""
+        self._table: RoutingTable | None = None
+        """The table of the latest request: what a round trip with no request waiting
+        reads for the copy."""
+        self._copy: _IndexCopy | None = None
+        """This replica's copy of the prefix index (None: not loaded, or not kept)."""
+        self._view: _BatchView | None = None
+        """The last round trip's read with every decision since recorded on it: what a
+        request decides on at once while it is fresh (None: wait for a round trip)."""
+        self._view_at = 0.0
+        """Loop time the last round trip's read arrived."""
+        self._view_now = 0.0
+        """That read's ``now`` (Redis's clock, scaled)."""
+        self._reloading: asyncio.Task[None] | None = None
+        self._reload_after = 0.0
+        self.decided_at_once = 0
+        """Requests decided on the copy, without waiting for a round trip."""
+        self.decided_after_round_trip = 0
 
     @classmethod
     async def connect(
@@ -196,11 +242,21 @@ class RedisStore:
             f"{ns}spills",
             f"{ns}index:{table.rule.slots_log2}",
             f"{ns}work",
+            f"{ns}index-seq:{table.rule.slots_log2}",
+            f"{ns}index-log:{table.rule.slots_log2}",
         ]
 
     async def route(self, key: PrefixKey, table: RoutingTable, request_id: str = "") -> Routed:
         if not self._tasks or self._tasks[0].done():
             raise StateUnavailable("the routing store is not running")
+        self._table = table
+        view = self._view
+        if view is not None and view.table is table and not self._in_doubt:
+            age = asyncio.get_running_loop().time() - self._view_at
+            if age <= table.config.redis_max_staleness_ms / 1000:
+                view.now = self._view_now + age * self.clock_scale
+                self.decided_at_once += 1
+                return self._decide_one(key, table, view, request_id)
         future: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
         self._waiting.append(_Waiting(key, table, request_id, future))
         self._wake.set()
@@ -210,6 +266,10 @@ class RedisStore:
         if self._local[instance_id] > 0:
             self._local[instance_id] -= 1
             self._next.releases.append((instance_id, prefill_end))
+            view = self._view
+            if view is not None:  # the next decision on it sees the request gone
+                age = asyncio.get_running_loop().time() - self._view_at
+                view.release(instance_id, self._view_now + age * self.clock_scale, prefill_end)
             self._wake_soon()
 
     async def in_flight(self) -> dict[str, int]:
@@ -220,22 +280,39 @@ class RedisStore:
         """Send the pending writes and the waiting requests' reads as one script call,
         decide the waiting requests, repeat (see the module docstring)."""
         while not self._closing:
-            await self._wake.wait()
+            refresh = self._copy is not None and _keeps_copy(self._table)
+            if refresh:  # keep a copy within the log even with no traffic of its own
+                with contextlib.suppress(TimeoutError):
+                    async with asyncio.timeout(REFRESH_S):
+                        await self._wake.wait()
+            else:
+                await self._wake.wait()
             self._wake.clear()
             waiting, self._waiting = self._waiting, []
             args, self._next = self._next, SyncArgs()
             if self._write_timer is not None:  # what it would send goes now
                 self._write_timer.cancel()
                 self._write_timer = None
-            if not waiting and not args and not self._in_doubt:
+            if not waiting and not args and not self._in_doubt and not refresh:
                 continue
             table = waiting[-1].table if waiting else None
+            copying = False
+            if _keeps_copy(table or self._table):
+                table = table or self._table
+                assert table is not None
+                copying = self._copy_serves(table)
+                if not copying:
+                    self._start_reload(table)
+            elif table is not None:
+                self._copy = self._view = None
             if table is not None:
                 args.instances = table.ids
                 args.keep = table.rule.waiting_kept
-                args.slots = sorted(
-                    {locate(b, table.rule.slots_log2)[0] for w in waiting for b in w.key.blocks}
-                )
+                if copying:
+                    assert self._copy is not None
+                    args.log_from = self._copy.seq
+                else:
+                    args.slots = _slots_of(waiting, table)
             try:
                 async with asyncio.timeout(self.round_trip_timeout_s):
                     if self._in_doubt:
@@ -250,19 +327,33 @@ class RedisStore:
                         self._last_keys = self.keys_for(table)
                         self._last_slots_log2 = table.rule.slots_log2
                     if args and self._last_keys:
-                        keys = self._last_keys
-                        reply = await self._sync(keys=keys, args=[args.pack(self.clock_scale)])
+                        reply = await self._sync(
+                            keys=self._last_keys, args=[args.pack(self.clock_scale)]
+                        )
+                    if table is not None and reply is not None:
+                        view = self._read(table, args, reply)
+                        if view is None:  # the copy fell behind the log: read the slots
+                            args = SyncArgs(
+                                instances=table.ids,
+                                keep=table.rule.waiting_kept,
+                                slots=_slots_of(waiting, table),
+                            )
+                            reply = await self._sync(
+                                keys=self._last_keys, args=[args.pack(self.clock_scale)]
+                            )
+                            view = self._read(table, args, reply)
             except Exception as exc:  # noqa: BLE001 - the flusher must outlive any failure
                 if not isinstance(exc, RedisError | OSError | TimeoutError):
                     log.warning("routing store round trip failed unexpectedly: %r", exc)
                 self._in_doubt = True  # unknown whether the writes landed: rewrite the share
                 self._outage = True
+                self._copy = self._view = None  # nor which: load the index again
                 for w in waiting:
                     if not w.future.done():
                         w.future.set_exception(StateUnavailable(repr(exc)))
                 continue
-            if table is not None and reply is not None:
-                self._decide(waiting, table, args, reply)
+            if table is not None and reply is not None and view is not None:
+                self._decide(waiting, table, view)
             if self._next:
                 self._wake_soon()
 
@@ -278,10 +369,28 @@ class RedisStore:
         self._write_timer = None
         self._wake.set()
 
-    def _decide(
-        self, waiting: list[_Waiting], table: RoutingTable, args: SyncArgs, reply: bytes
-    ) -> None:
-        view = _BatchView(table, args, reply, self._models_for(table))
+    def _read(self, table: RoutingTable, args: SyncArgs, reply: bytes) -> _BatchView | None:
+        """The round trip's read as a view to decide on. With the copy of the index (the
+        round trip read the log), the copy brought up to date and the view kept for
+        deciding at once; None if the copy fell behind the log (a reload starts)."""
+        now, read, slots, log = unpack_reply(reply, len(args.instances))
+        copy = self._copy if args.log_from >= 0 else None
+        if copy is not None:
+            if log is None or log.batches is None:
+                self._copy = self._view = None
+                self._start_reload(table)
+                return None
+            copy.catch_up(log.seq, log.batches)
+            for write in self._next.writes:  # this replica's, made during the round trip
+                copy.set(write.offset, write.new)
+        view = _BatchView(table, args, now, read, slots, self._models_for(table), copy)
+        view.replay(self._next, table.rule.waiting_kept)
+        if copy is not None:
+            self._view, self._view_now = view, view.now
+            self._view_at = asyncio.get_running_loop().time()
+        return view
+
+    def _decide(self, waiting: list[_Waiting], table: RoutingTable, view: _BatchView) -> None:
         for w in waiting:
             if w.future.done():  # the caller gave up waiting and routed on its own
                 continue
@@ -289,28 +398,67 @@ class RedisStore:
                 self._waiting.append(w)
                 self._wake.set()
                 continue
-            decision, ring_order = table.decide(w.key, view)
-            chosen = table.ids[decision.instance]
-            rate = view.model(decision.instance).prefill_tokens_per_s
-            view.record(decision, rate, table.rule.waiting_kept)
-            self._next.writes += decision.index_writes
-            home = "" if decision.home is None else table.ids[decision.home]
-            self._next.admits.append(
-                (
-                    chosen,
-                    view.now,
-                    float(decision.prefill_tokens),
-                    float(decision.written_tokens),
-                    rate,
-                    decision.outcome.value,
-                    home,
-                    w.request_id,
-                )
+            self.decided_after_round_trip += 1
+            w.future.set_result(self._decide_one(w.key, table, view, w.request_id))
+
+    def _decide_one(
+        self, key: PrefixKey, table: RoutingTable, view: _BatchView, request_id: str
+    ) -> Routed:
+        """Decide one request on ``view``, record it there and queue its writes."""
+        decision, ring_order = table.decide(key, view)
+        chosen = table.ids[decision.instance]
+        rate = view.model(decision.instance).prefill_tokens_per_s
+        view.record(decision, rate, table.rule.waiting_kept)
+        self._next.writes += decision.index_writes
+        home = "" if decision.home is None else table.ids[decision.home]
+        self._next.admits.append(
+            (
+                chosen,
+                view.now,
+                float(decision.prefill_tokens),
+                float(decision.written_tokens),
+                rate,
+                decision.outcome.value,
+                home,
+                request_id,
             )
-            self._next.reserves.append(chosen)
-            self._local[chosen] += 1
-            end = view.prefill_end(decision.instance)
-            w.future.set_result(Routed(decision, chosen, ring_order, end))
+        )
+        self._next.reserves.append(chosen)
+        self._local[chosen] += 1
+        self._wake_soon()
+        return Routed(decision, chosen, ring_order, view.prefill_end(decision.instance))
+
+    def _copy_serves(self, table: RoutingTable) -> bool:
+        return self._copy is not None and self._copy.slots_log2 == table.rule.slots_log2
+
+    def _start_reload(self, table: RoutingTable) -> None:
+        """Load the copy of the index in the background (requests meanwhile wait for
+        their round trip, as without a copy); at most once per ``RELOAD_BACKOFF_S``."""
+        now = asyncio.get_running_loop().time()
+        if (self._reloading is not None and not self._reloading.done()) or (
+            now < self._reload_after
+        ):
+            return
+        self._reload_after = now + RELOAD_BACKOFF_S
+        self._reloading = asyncio.create_task(self._reload(table), name="routing-index-copy")
+
+    async def _reload(self, table: RoutingTable) -> None:
+        """Load the whole index and the log's position, atomically, as this replica's copy."""
+        keys = self.keys_for(table)
+        try:
+            async with asyncio.timeout(RELOAD_TIMEOUT_S):
+                async with self.redis.pipeline(transaction=True) as pipe:
+                    pipe.get(keys[6])
+                    pipe.get(keys[4])
+                    seq, raw = await pipe.execute()
+        except (RedisError, OSError, TimeoutError) as exc:
+            log.info("loading the index copy failed (%r); requests wait for Redis", exc)
+            return
+        copy = _IndexCopy(table.rule.slots_log2, int(seq or 0), raw or b"")
+        for write in self._next.writes:  # routed while it loaded, not yet sent
+            copy.set(write.offset, write.new)
+        self._copy, self._view = copy, None
+        self._wake.set()  # a round trip that reads the log from here
 
     def _models_for(self, table: RoutingTable) -> list[InstanceModel]:
         """Each of the table's instances' model: learned where the control plane learned
@@ -351,6 +499,8 @@ class RedisStore:
             *_, models = await pipe.execute()
         now = time.time()  # the control plane stamps the waiting counts on the wall clock
         self._learned = {_text(k): model_of_text(v, now) for k, v in models.items()}
+        if self._view is not None:  # decisions on it from now on use what was learned
+            self._view.models = self._models_for(self._view.table)
         await self._reap(keys=[self.fleet_key, self.replicas_key], args=[self.namespace])
         if self._settle_at is not None and asyncio.get_running_loop().time() >= self._settle_at:
             self._settle_at = None
@@ -373,10 +523,11 @@ class RedisStore:
         """
         self._closing = True
         self._wake.set()
-        for task in self._tasks:
+        tasks = [*self._tasks, *([self._reloading] if self._reloading else [])]
+        for task in tasks:
             task.cancel()
-        if self._tasks:
-            await asyncio.wait(self._tasks, timeout=2 * HEARTBEAT_S)
+        if tasks:
+            await asyncio.wait(tasks, timeout=2 * HEARTBEAT_S)
 
     async def close(self) -> None:
         """Stop the background tasks and give back every count this replica holds."""
@@ -390,29 +541,94 @@ class RedisStore:
         await self.redis.aclose()
 
 
-class _BatchView:
-    """What one round trip read, as the batch's decisions see it: each decision's writes
-    are applied here too, so the next request of the batch sees them."""
+def _slots_of(waiting: list[_Waiting], table: RoutingTable) -> list[int]:
+    """The index slots the waiting requests' blocks fall in."""
+    return sorted({locate(b, table.rule.slots_log2)[0] for w in waiting for b in w.key.blocks})
 
-    __slots__ = ("now", "_table", "_slots", "_read", "_works", "_in_flight", "_models", "_total")
+
+def _keeps_copy(table: RoutingTable | None) -> bool:
+    """Whether requests routed with ``table`` decide on a copy of the index."""
+    return (
+        table is not None
+        and table.config.redis_max_staleness_ms > 0
+        and table.rule.slots_log2 <= COPY_MAX_SLOTS_LOG2
+    )
+
+
+class _IndexCopy:
+    """This replica's copy of the prefix index: Redis's as of the index log's ``seq``,
+    with the writes of this replica not yet sent applied on top.
+
+    Every round trip that writes index entries logs what each entry holds after it (the
+    script's compare-and-set decides; ``redis_lua.LOG_RECORD``), and every round trip of
+    a replica keeping a copy reads the log since its ``seq``: applied in order, the copy
+    is what Redis held then. A replica further behind than the log keeps loads the whole
+    index again."""
+
+    __slots__ = ("slots_log2", "seq", "_data")
+
+    def __init__(self, slots_log2: int, seq: int, raw: bytes) -> None:
+        self.slots_log2 = slots_log2
+        self.seq = seq
+        self._data = bytearray(SLOT_BYTES << slots_log2)
+        n = min(len(raw), len(self._data))
+        self._data[:n] = raw[:n]
+
+    def read(self, slot: int) -> bytes:
+        start = slot * SLOT_BYTES
+        return bytes(self._data[start : start + SLOT_BYTES])
+
+    def set(self, offset: int, value: bytes) -> None:
+        self._data[offset : offset + ENTRY_BYTES] = value
+
+    def catch_up(self, seq: int, batches: list[bytes]) -> None:
+        """Apply the log's ``batches`` after ``self.seq`` (oldest first), up to ``seq``."""
+        data, size = self._data, len(self._data)
+        for batch in batches:
+            for offset, value in LOG_RECORD.iter_unpack(batch):
+                if offset + ENTRY_BYTES <= size:
+                    data[offset : offset + ENTRY_BYTES] = value
+        self.seq = seq
+
+
+class _BatchView:
+    """What one round trip read, as the decisions after it see it: each decision's writes
+    are applied here too, so the next one sees them. The prefix index is read from the
+    round trip's slots, or from this replica's copy of it."""
+
+    __slots__ = (
+        "now",
+        "table",
+        "_slots",
+        "_copy",
+        "_read",
+        "_works",
+        "_in_flight",
+        "models",
+        "_total",
+    )
 
     def __init__(
         self,
         table: RoutingTable,
         args: SyncArgs,
-        reply: bytes,
+        now: float,
+        read: list[InstanceRead],
+        slots: list[bytes],
         models: list[InstanceModel],
+        copy: _IndexCopy | None = None,
     ) -> None:
-        now, self._read, slots = unpack_reply(reply, len(args.instances))
         self.now = float(now)
-        self._table = table
+        self.table = table
+        self._read = read
         self._works: list[InstanceWork | None] = [None] * len(self._read)
         """Each instance's queue, parsed when a decision first asks (a handful of a fleet's
         instances are a request's candidates or hold its blocks)."""
         self._in_flight = [max(0, int(r[2])) for r in self._read]
-        self._models = models
+        self.models = models
         self._total = sum(self._in_flight)
         self._slots = dict(zip(args.slots, slots, strict=True))
+        self._copy = copy
 
     def _work(self, instance: int) -> InstanceWork:
         work = self._works[instance]
@@ -423,18 +639,20 @@ class _BatchView:
         return work
 
     def slot(self, slot: int) -> bytes:
+        if self._copy is not None:
+            return self._copy.read(slot)
         return self._slots[slot]
 
     def model(self, instance: int) -> InstanceModel:
-        return self._models[instance]
+        return self.models[instance]
 
     def load(self, instance: int) -> Load:
         work, now = self._work(instance), self.now
         return (
             work.backlog_s(now),
-            self._models[instance].waiting_with(work, now),
+            self.models[instance].waiting_with(work, now),
             self._in_flight[instance],
-            self._models[instance].prefill_tokens_per_s,
+            self.models[instance].prefill_tokens_per_s,
         )
 
     def total_in_flight(self) -> int:
@@ -445,24 +663,55 @@ class _BatchView:
         return self._work(instance).busy_until
 
     def cache_model(self, tag: int) -> CacheModel | None:
-        instance = self._table.instance_of_tag.get(tag)
+        instance = self.table.instance_of_tag.get(tag)
         if instance is None:
             return None
         return CacheModel.of(
-            self._work(instance).written_tokens, self._models[instance].kv_cache_tokens
+            self._work(instance).written_tokens, self.models[instance].kv_cache_tokens
         )
 
     def record(self, decision: Decision, rate: float, keep: int) -> None:
         for write in decision.index_writes:
-            self._slots[write.slot] = apply(self._slots[write.slot], write)
-        i = decision.instance
-        self._works[i] = admit(
-            self._work(i),
+            if self._copy is not None:
+                self._copy.set(write.offset, write.new)
+            else:
+                self._slots[write.slot] = apply(self._slots[write.slot], write)
+        self._admit(
+            decision.instance,
             self.now,
-            prefill_tokens=decision.prefill_tokens,
-            written_tokens=decision.written_tokens,
-            rate=rate,
-            keep=keep,
+            decision.prefill_tokens,
+            decision.written_tokens,
+            rate,
+            keep,
+        )
+
+    def replay(self, pending: SyncArgs, keep: int) -> None:
+        """Record what this replica did after the round trip was sent (not in its read):
+        the requests it routed, then those that ended."""
+        ids = self.table.ids
+        for chosen, decided_at, prefill, written, rate, *_ in pending.admits:
+            if chosen in ids:
+                self._admit(ids.index(chosen), decided_at, prefill, written, rate, keep)
+        for instance_id, end in pending.releases:
+            self.release(instance_id, self.now, end)
+
+    def release(self, instance_id: str, now: float, end: float) -> None:
+        """A request on ``instance_id`` ended at ``now`` (its prefill modelled to ``end``),
+        as the script applies it."""
+        ids = self.table.ids
+        if instance_id not in ids:
+            return
+        i = ids.index(instance_id)
+        if self._in_flight[i] > 0:
+            self._in_flight[i] -= 1
+            self._total -= 1
+        self._works[i] = finished(self._work(i), now, end)
+
+    def _admit(
+        self, i: int, at: float, prefill: float, written: float, rate: float, keep: int
+    ) -> None:
+        self._works[i] = admit(
+            self._work(i), at, prefill_tokens=prefill, written_tokens=written, rate=rate, keep=keep
         )
         self._in_flight[i] += 1
         self._total += 1
