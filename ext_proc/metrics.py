@@ -8,8 +8,11 @@ share so a replica that leaks counts stands out.
 from __future__ import annotations
 
 import logging
+from collections.abc import Callable, Iterator
 
 from prometheus_client import CollectorRegistry, Counter, Gauge, Histogram
+from prometheus_client.core import CounterMetricFamily, Metric
+from prometheus_client.registry import Collector
 
 from ext_proc.router import RouteDecision, RouterCallbacks
 from prefix_router.core.decision import Outcome
@@ -115,6 +118,11 @@ class PrometheusCallbacks(RouterCallbacks):
         self._in_flight_of: dict[str, Gauge] = {}
         self._pool_of: dict[str, Counter] = {}
 
+    def watch_store(self, counts: Callable[[], tuple[int, int]]) -> None:
+        """Export how the shared routing store's decisions were made: ``counts()`` gives
+        those made at once on the replica's copy and those that waited for a round trip."""
+        self.registry.register(_StoreDecisions(counts))
+
     def on_decision(self, decision: RouteDecision, seconds: float, request_id: str) -> None:
         self._decided[decision.outcome].inc()
         if decision.outcome is not Outcome.UNKNOWN_MODEL:  # a client's names: unbounded
@@ -158,3 +166,23 @@ class PrometheusCallbacks(RouterCallbacks):
 
     def on_stream_end(self, reset: bool) -> None:
         (self._reset if reset else self._closed).inc()
+
+
+class _StoreDecisions(Collector):
+    """``prefix_router_ext_proc_store_decisions_total{how}``, read from the store's counts."""
+
+    def __init__(self, counts: Callable[[], tuple[int, int]]) -> None:
+        self._counts = counts
+
+    def collect(self) -> Iterator[Metric]:
+        at_once, waited = self._counts()
+        family = CounterMetricFamily(
+            "prefix_router_ext_proc_store_decisions",
+            "Decisions on the fleet's shared routing state, by how: copy (at once, on this "
+            "replica's copy of it, refreshed within redis_max_staleness_ms) or round_trip "
+            "(after waiting for a Redis round trip: the copy was older, or not loaded).",
+            labels=["how"],
+        )
+        family.add_metric(["copy"], at_once)
+        family.add_metric(["round_trip"], waited)
+        yield family

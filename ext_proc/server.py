@@ -95,6 +95,11 @@ async def serve(
         loop = asyncio.get_running_loop()
         router.callbacks.open_streams.set_function(lambda: processor.open_streams)
         router.callbacks.asyncio_tasks.set_function(lambda: len(asyncio.all_tasks(loop)))
+        store = router.store
+        if isinstance(store, RedisStore):
+            router.callbacks.watch_store(
+                lambda: (store.decided_at_once, store.decided_after_round_trip)
+            )
     server: ExtProcServer = (
         Http2ExtProcServer(processor, limits)
         if transport is Transport.HTTP2

@@ -11,7 +11,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from prefix_router.core.config import MIB
 from prefix_router.ops.procs import free_port
-from tests.conftest import ProcessReaper
+from tests.conftest import REDIS_URL, ProcessReaper
 from tests.support.static_stack import start_static_stack
 
 pytestmark = pytest.mark.e2e
@@ -95,3 +95,33 @@ def test_unknown_models_and_each_pools_decisions_are_counted(
     # a body naming no model goes over the whole fleet (pool "")
     assert got[("prefix_router_ext_proc_pool_decisions_total", (("pool", ""),))] == 1
     assert ("prefix_router_ext_proc_pool_decisions_total", (("pool", "nope"),)) not in got
+
+
+def test_decisions_on_the_replicas_copy_are_counted(
+    namespace: str, procs: ProcessReaper, log_dir: Path
+) -> None:
+    """With the state in Redis, each decision counts as made at once on the replica's copy
+    or after a round trip: the first waits (no copy yet), later ones use the copy."""
+    metrics_port = free_port()
+    stack = start_static_stack(
+        procs,
+        log_dir,
+        backends=3,
+        ext_proc_args=[
+            "--metrics-port",
+            str(metrics_port),
+            "--redis-url",
+            REDIS_URL,
+            "--namespace",
+            namespace,
+        ],
+    )
+    with httpx.Client(timeout=10) as client:
+        for n in range(20):
+            chat = json.dumps({"model": "m", "messages": [{"role": "user", "content": f"q{n}"}]})
+            assert client.post(f"{stack.url}/v1/chat/completions", content=chat).status_code == 200
+    got = samples(f"http://127.0.0.1:{metrics_port}/metrics")
+    copy = got[("prefix_router_ext_proc_store_decisions_total", (("how", "copy"),))]
+    waited = got[("prefix_router_ext_proc_store_decisions_total", (("how", "round_trip"),))]
+    assert copy + waited == 20
+    assert waited >= 1 and copy >= 1, (copy, waited)
