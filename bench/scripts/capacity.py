@@ -369,7 +369,10 @@ def write_live(rows: list[str]) -> None:
         " are 1.8x and 2.7x the earlier ones: their 1,200 requests last 12-26 model seconds,"
         " so the judged half is still the cold start (code's P50 of 3.4 s). The hot prefix's"
         " knee row ran with stop 33's defaults (load factor 1.4, placement width 8; its"
-        " two-instance knee 9.7 -> 10.1). Every other row, RAG's and code's below the knee"
+        " two-instance knee 9.7 -> 10.1). The trace-like and chat rows ran with the same"
+        " defaults in stop 34, ext_proc deciding on its copy of the routing state in Redis"
+        " (redis_max_staleness_ms 10) instead of waiting for a round trip per request."
+        " Every other row, RAG's and code's below the knee"
         " included, ran with the defaults before (miss weight 3, ConcurrencyThreshold 256),"
         " whose decisions are the same code live and in the DES; 'x knee' is the fraction of"
         " today's knee.",
