@@ -119,15 +119,16 @@ async def main() -> None:
         f"{SLOT_BYTES} bytes = {slots * SLOT_BYTES / 2**20:.0f} MiB), 8 instances. "
         "`MEMORY USAGE` of the namespace's keys by kind, bytes:",
         "",
-        "| after | prefixes | index | index entries in use | work | other "
+        "| after | prefixes | index | index entries in use | index log | work | other "
         "| used_memory delta | routing s | decided without Redis |",
-        "|---|---|---|---|---|---|---|---|---|",
+        "|---|---|---|---|---|---|---|---|---|---|",
     ]
     for round_, kinds, delta, entries, took, degraded in rows:
-        other = sum(v for k, v in kinds.items() if k not in ("index", "work"))
+        other = sum(v for k, v in kinds.items() if k not in ("index", "index-log", "work"))
         lines.append(
             f"| round {round_} | {round_ * args.prefixes:,} | {kinds.get('index', 0):,} "
-            f"| {entries:,} of {slots * WAYS:,} | {kinds.get('work', 0):,} "
+            f"| {entries:,} of {slots * WAYS:,} | {kinds.get('index-log', 0):,} "
+            f"| {kinds.get('work', 0):,} "
             f"| {other:,} | {delta:,} "
             f"| {took:.1f} | {degraded} |"
         )

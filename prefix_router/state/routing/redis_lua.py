@@ -105,9 +105,11 @@ def queue_ahead(raw: bytes, now: float) -> tuple[float, ...]:
     return ends[bisect_right(ends, now) :]
 
 
-LOG_KEEP = 4096
-"""Batches of index writes the log keeps (``index_log``): a replica that falls further
-behind than this reloads the whole index."""
+LOG_KEEP = 65536
+"""Entries the index log keeps (``index_log``, one :data:`LOG_RECORD` each: ~1.5 MB in
+Redis): a replica further behind than this reloads the whole index. A replica reads the
+log at least every ``redis_store.REFRESH_S``, so this holds 650,000 index writes a second
+across the fleet."""
 
 LOG_RECORD = struct.Struct(">I8s")
 """One entry of the index log: its byte offset in the index and what it holds now (the
@@ -118,9 +120,9 @@ class LogRead(NamedTuple):
     """The index log as one round trip read it."""
 
     seq: int
-    """The log's sequence number: batches of index writes applied so far."""
-    batches: list[bytes] | None
-    """Each batch after the one asked for, oldest first (:data:`LOG_RECORD` each); None:
+    """The log's sequence number: index entries written so far."""
+    entries: bytes | None
+    """The :data:`LOG_RECORD` entries after the position asked for, oldest first; None:
     the log no longer holds them all (reload the index)."""
 
 
@@ -132,9 +134,11 @@ def unpack_reply(
     now, log, *read = msgpack.unpackb(reply, raw=True)
     log_read = None
     if log:
-        seq, batches = log
+        seq, entries = log
         # false: the log no longer holds them; an empty Lua table packs as {} or []
-        log_read = LogRead(int(seq), None if batches is False else list(batches)[::-1])
+        log_read = LogRead(
+            int(seq), None if entries is False else b"".join(reversed(list(entries)))
+        )
     return now, read[:instances], read[instances:], log_read
 
 
@@ -232,27 +236,29 @@ for _, w in ipairs(a[7]) do  -- EntryWrite: slot, way, expected, new
   end
   logged[#logged + 1] = struct.pack('>I', offset) .. current
 end
-if #logged > 0 then
-  redis.call('INCR', KEYS[7])
-  redis.call('LPUSH', KEYS[8], table.concat(logged))
+if #logged > 0 then  -- one list element per entry: the log is bounded in entries (bytes)
+  redis.call('INCRBY', KEYS[7], #logged)
+  for first = 1, #logged, 1000 do
+    redis.call('LPUSH', KEYS[8], unpack(logged, first, math.min(first + 999, #logged)))
+  end
   redis.call('LTRIM', KEYS[8], 0, a[12] - 1)
 end
 -- reads: each instance's queue and counts, then the index slots asked for (one HMGET
 -- per hash for all the instances: a redis.call costs more than its work here); a queue
 -- goes back as stored, ends already passed included (the reader skips them)
 local out = {tonumber(tostring(now)), false}  -- now: as a string would carry it
--- the index log after a[11], newest first; false for the batches if it holds too few
+-- the index log's entries after a[11], newest first; false if it no longer holds them
 if a[11] >= 0 then
   local seq = tonumber(redis.call('GET', KEYS[7])) or 0
   local behind = seq - a[11]
-  local batches = false
+  local entries = false
   if behind == 0 then
-    batches = {}
+    entries = {}
   elseif behind > 0 and behind <= a[12] then
-    batches = redis.call('LRANGE', KEYS[8], 0, behind - 1)
-    if #batches < behind then batches = false end
+    entries = redis.call('LRANGE', KEYS[8], 0, behind - 1)
+    if #entries < behind then entries = false end
   end
-  out[2] = {seq, batches}
+  out[2] = {seq, entries}
 end
 local ids = a[8]
 if #ids > 0 then

@@ -19,8 +19,8 @@ Layout (``ns`` is the namespace, e.g. ``prefix-router:``):
                                     instance's queue in one HMGET)
 ``{ns}models``              hash    instance id -> ``rate capacity [waiting observed_at]``,
                                     learned by the control plane (``core.work.model_text``)
-``{ns}index-seq:{slots_log2}``  int  batches of index writes applied so far
-``{ns}index-log:{slots_log2}``  list  the last ``redis_lua.LOG_KEEP`` batches, newest first:
+``{ns}index-seq:{slots_log2}``  int  index entries written so far
+``{ns}index-log:{slots_log2}``  list  the last ``redis_lua.LOG_KEEP`` of them, newest first:
                                     each written entry's offset and what it holds after
 
 One background task sends everything as one script call per round trip (:mod:`.redis_lua`):
@@ -111,7 +111,7 @@ RELOAD_BACKOFF_S = 1.0
 """Least time between two loads of the copy."""
 REFRESH_S = 0.1
 """Longest a replica keeping a copy goes without a round trip, traffic or not, so that it
-stays within the index log (``redis_lua.LOG_KEEP`` batches of the whole fleet's writes)."""
+stays within the index log (``redis_lua.LOG_KEEP`` of the whole fleet's index writes)."""
 
 
 @dataclass(slots=True)
@@ -376,11 +376,11 @@ class RedisStore:
         now, read, slots, log = unpack_reply(reply, len(args.instances))
         copy = self._copy if args.log_from >= 0 else None
         if copy is not None:
-            if log is None or log.batches is None:
+            if log is None or log.entries is None or len(log.entries) % LOG_RECORD.size:
                 self._copy = self._view = None
                 self._start_reload(table)
                 return None
-            copy.catch_up(log.seq, log.batches)
+            copy.catch_up(log.seq, log.entries)
             for write in self._next.writes:  # this replica's, made during the round trip
                 copy.set(write.offset, write.new)
         view = _BatchView(table, args, now, read, slots, self._models_for(table), copy)
@@ -581,13 +581,12 @@ class _IndexCopy:
     def set(self, offset: int, value: bytes) -> None:
         self._data[offset : offset + ENTRY_BYTES] = value
 
-    def catch_up(self, seq: int, batches: list[bytes]) -> None:
-        """Apply the log's ``batches`` after ``self.seq`` (oldest first), up to ``seq``."""
+    def catch_up(self, seq: int, entries: bytes) -> None:
+        """Apply the log's ``entries`` after ``self.seq`` (oldest first), up to ``seq``."""
         data, size = self._data, len(self._data)
-        for batch in batches:
-            for offset, value in LOG_RECORD.iter_unpack(batch):
-                if offset + ENTRY_BYTES <= size:
-                    data[offset : offset + ENTRY_BYTES] = value
+        for offset, value in LOG_RECORD.iter_unpack(entries):
+            if offset + ENTRY_BYTES <= size:
+                data[offset : offset + ENTRY_BYTES] = value
         self.seq = seq
 
 
