@@ -26,7 +26,7 @@ from typing import NamedTuple
 from prefix_router.core.decision import Outcome
 from prefix_router.core.key import Fallback, PrefixKey, extract_key
 from prefix_router.core.pools import unknown_model_body
-from prefix_router.core.table import RoutingTable
+from prefix_router.core.table import Pool, RoutingTable
 from prefix_router.state.clock import scaled_clock
 from prefix_router.state.routing import InProcessStore, Routed, RoutingStore, StateUnavailable
 
@@ -124,7 +124,45 @@ class RequestRouter:
         complete: bool = True,
         request_id: str = "",
     ) -> RouteResult:
+        """Route one request: at once when the store can decide without waiting, else
+        after its round trip."""
         started = time.perf_counter()
+        prepared = self._prepare(body, path, tenant, complete, request_id, started)
+        if isinstance(prepared, RouteResult):
+            return prepared
+        key, table, pool = prepared
+        decided = self._route_at_once(key, table, request_id)
+        if decided is None:
+            decided = await self._route(key, table, request_id)
+        return self._result(key, table, pool, decided, request_id, started)
+
+    def route_at_once(
+        self,
+        body: bytes,
+        *,
+        path: str,
+        tenant: str,
+        complete: bool = True,
+        request_id: str = "",
+    ) -> RouteResult | None:
+        """:meth:`route` if it needs no waiting (the usual case: the store decides on
+        state it holds), else None: then call :meth:`route`. Answering in the same turn
+        of the event loop saves ext_proc a task and a loop turn per request."""
+        started = time.perf_counter()
+        prepared = self._prepare(body, path, tenant, complete, request_id, started)
+        if isinstance(prepared, RouteResult):
+            return prepared
+        key, table, pool = prepared
+        decided = self._route_at_once(key, table, request_id)
+        if decided is None:
+            return None
+        return self._result(key, table, pool, decided, request_id, started)
+
+    def _prepare(
+        self, body: bytes, path: str, tenant: str, complete: bool, request_id: str, started: float
+    ) -> RouteResult | tuple[PrefixKey, RoutingTable, Pool]:
+        """The request's key, table and pool, or its result already when no instance
+        needs choosing (an unknown model, an empty pool)."""
         table = self.table
         key = extract_key(
             body, settings=table.key_settings, path=path, tenant=tenant, complete=complete
@@ -143,7 +181,18 @@ class RequestRouter:
             )
             self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
             return RouteResult(decision, key, None)
-        routed, store, degraded = await self._route(key, table, request_id)
+        return key, table, pool
+
+    def _result(
+        self,
+        key: PrefixKey,
+        table: RoutingTable,
+        pool: Pool,
+        decided: tuple[Routed, RoutingStore, bool],
+        request_id: str,
+        started: float,
+    ) -> RouteResult:
+        routed, store, degraded = decided
         made = routed.decision
         self.callbacks.on_reserved(routed.instance_id)
         decision = RouteDecision(
@@ -158,22 +207,39 @@ class RequestRouter:
         self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
         return RouteResult(decision, key, routed.instance_id, store, routed.prefill_end)
 
+    def _route_at_once(
+        self, key: PrefixKey, table: RoutingTable, request_id: str
+    ) -> tuple[Routed, RoutingStore, bool] | None:
+        """A decision that needs no waiting: this replica's own state when it routes
+        alone or the shared store is in its back-off, or the shared store's at-once
+        decision (None: wait for :meth:`_route`)."""
+        if self.alone:
+            return self.local.route_now(key, table), self.local, False
+        if time.monotonic() < self._store_down_until:
+            return self.local.route_now(key, table), self.local, True
+        routed = self.store.route_at_once(key, table, request_id)
+        if routed is None:
+            return None
+        self._store_answers()
+        return routed, self.store, False
+
+    def _store_answers(self) -> None:
+        if self._store_down:
+            self._store_down = False
+            log.warning("routing store answers again: fleet-wide routing resumed")
+
     async def _route(
         self, key: PrefixKey, table: RoutingTable, request_id: str
     ) -> tuple[Routed, RoutingStore, bool]:
-        """A decision on the fleet's shared state, or on this replica's own when that is
-        unavailable (then ``degraded`` is True)."""
-        if self.alone:  # nothing to wait for, nothing to fall back to
-            return self.local.route_now(key, table), self.local, False
+        """A decision on the fleet's shared state after waiting for it, or on this
+        replica's own when that is unavailable (then ``degraded`` is True)."""
         now = time.monotonic()
         if now >= self._store_down_until:
             try:
                 backstop = STORE_WAIT_FACTOR * table.config.redis_timeout_ms / 1000
                 async with asyncio.timeout(backstop):
                     routed = await self.store.route(key, table, request_id)
-                if self._store_down:
-                    self._store_down = False
-                    log.warning("routing store answers again: fleet-wide routing resumed")
+                self._store_answers()
                 return routed, self.store, False
             except (StateUnavailable, OSError, TimeoutError) as exc:
                 self._store_down_until = now + STORE_BACKOFF_S

@@ -223,13 +223,14 @@ class ProcessingStream:
                     return immediate_response(200, table.models_body)
         elif kind == "request_body" and not self._routing:
             self._routing = True  # later chunks of a streamed body: nothing to add
-            return self._route(request.request_body)
+            return self._route_body(request.request_body)
         return CONTINUE.get(kind or "")
 
-    async def _route(self, body: pb.HttpBody) -> bytes:
-        router = self._processor.router
+    def _route_body(self, body: pb.HttpBody) -> Answer:
+        """The body's answer: at once when the router decides without waiting (no task,
+        no loop turn), else a coroutine that waits for its decision."""
         try:
-            result = await router.route(
+            result = self._processor.router.route_at_once(
                 body.body,
                 path=self._path,
                 tenant=self._tenant,
@@ -237,12 +238,34 @@ class ProcessingStream:
                 request_id=self._request_id,
             )
         except Exception as exc:  # the data path never fails a request
-            router.callbacks.on_error(exc)
-            log.exception(
-                "routing failed; request goes on unrouted",
-                extra={"request_id": self._request_id},
+            return self._failed(exc)
+        if result is None:
+            return self._route(body)
+        return self._answer(result)
+
+    async def _route(self, body: pb.HttpBody) -> bytes:
+        try:
+            result = await self._processor.router.route(
+                body.body,
+                path=self._path,
+                tenant=self._tenant,
+                complete=body.end_of_stream,
+                request_id=self._request_id,
             )
-            return _CONTINUE_BODY
+        except Exception as exc:  # the data path never fails a request
+            return self._failed(exc)
+        return self._answer(result)
+
+    def _failed(self, exc: Exception) -> bytes:
+        self._processor.router.callbacks.on_error(exc)
+        log.exception(
+            "routing failed; request goes on unrouted",
+            extra={"request_id": self._request_id},
+        )
+        return _CONTINUE_BODY
+
+    def _answer(self, result: RouteResult) -> bytes:
+        router = self._processor.router
         if self._ended:  # Envoy ended the stream while we routed: nothing holds the count
             router.finish(result)
             return _CONTINUE_BODY

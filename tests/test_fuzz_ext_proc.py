@@ -211,6 +211,9 @@ class GatedStore(InProcessStore):
         await self.gate.wait()
         return await super().route(*args, **kwargs)
 
+    def route_at_once(self, *args: Any, **kwargs: Any) -> Any:
+        return None  # every decision waits for the gate
+
 
 async def test_a_stream_that_ends_while_its_request_is_routed_gives_the_count_back() -> None:
     store = GatedStore()
@@ -227,3 +230,18 @@ async def test_a_stream_that_ends_while_its_request_is_routed_gives_the_count_ba
     reply = await pending
     assert pb.ProcessingResponse.FromString(reply).WhichOneof("response") == "request_body"
     assert sum((await store.in_flight()).values()) == 0 and processor.open_streams == 0
+
+
+async def test_a_decision_that_needs_no_waiting_is_answered_in_the_same_turn() -> None:
+    """The body's answer comes back from ``on_message`` itself (no task, no loop turn)
+    when the store decides at once, and carries the routing header."""
+    processor = ExternalProcessor(RequestRouter(ROUTER.table, InProcessStore()))
+    session = processor.open()
+    headers, body, _ = messages(b'{"model": "m", "prompt": "hi"}', "/v1/completions", "")
+    await answer(session, headers)
+    reply = session.on_message(body)
+    assert isinstance(reply, bytes)
+    mutation = pb.ProcessingResponse.FromString(reply).request_body.response.header_mutation
+    assert [h.header.key for h in mutation.set_headers] == ["x-prefix-key"]
+    session.on_end(cancelled=False)
+    assert processor.open_streams == 0

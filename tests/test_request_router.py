@@ -29,6 +29,9 @@ class DownStore(InProcessStore):
     async def route(self, *args: object, **kwargs: object) -> Routed:
         raise StateUnavailable("connection refused")
 
+    def route_at_once(self, *args: object, **kwargs: object) -> Routed | None:
+        return None  # nothing held to decide on: every request would wait for the server
+
 
 class Clock:
     now = 0.0
@@ -82,3 +85,13 @@ async def test_an_empty_fleet_routes_nothing() -> None:
     assert result.decision.outcome is Outcome.NO_INSTANCES
     assert result.decision.header_value is None
     router.finish(result)
+
+
+async def test_a_store_that_holds_its_state_decides_at_once() -> None:
+    """``route_at_once`` decides without waiting when the store can, and says so with None
+    when it cannot (the caller then awaits ``route``)."""
+    router = RequestRouter(TABLE, InProcessStore())
+    result = router.route_at_once(body("q0"), path=PATH, tenant="")
+    assert result is not None and result.decision.outcome is Outcome.PLACED
+    router.finish(result)
+    assert RequestRouter(TABLE, DownStore()).route_at_once(body("q0"), path=PATH, tenant="") is None

@@ -30,6 +30,13 @@ class RoutingStore(Protocol):
         the fleet's state), record it (index, prefill queue) and count it in flight."""
         ...
 
+    def route_at_once(
+        self, key: PrefixKey, table: RoutingTable, request_id: str = ""
+    ) -> Routed | None:
+        """:meth:`route` if the store can decide without waiting (on state it holds),
+        else None: then await :meth:`route`."""
+        ...
+
     def release(self, instance_id: str, prefill_end: float = 0.0) -> None:
         """Count one request on ``instance_id`` as ended (its :attr:`Routed.prefill_end`
         corrects the instance's modelled queue: :func:`prefix_router.core.work.finished`).

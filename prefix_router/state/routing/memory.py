@@ -64,6 +64,11 @@ class InProcessStore:
     async def route(self, key: PrefixKey, table: RoutingTable, request_id: str = "") -> Routed:
         return self.route_now(key, table)
 
+    def route_at_once(
+        self, key: PrefixKey, table: RoutingTable, request_id: str = ""
+    ) -> Routed | None:
+        return self.route_now(key, table)
+
     def release(self, instance_id: str, prefill_end: float = 0.0) -> None:
         if self._in_flight.get(instance_id, 0) > 0:
             self._in_flight[instance_id] -= 1

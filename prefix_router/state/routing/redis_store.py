@@ -246,17 +246,30 @@ class RedisStore:
             f"{ns}index-log:{table.rule.slots_log2}",
         ]
 
+    def route_at_once(
+        self, key: PrefixKey, table: RoutingTable, request_id: str = ""
+    ) -> Routed | None:
+        """The request decided on this replica's copy, if it is fresh (see the module
+        docstring); None: it must wait for a round trip (:meth:`route`)."""
+        if not self._tasks or self._tasks[0].done():
+            return None
+        self._table = table
+        view = self._view
+        if view is None or view.table is not table or self._in_doubt:
+            return None
+        age = asyncio.get_running_loop().time() - self._view_at
+        if age > table.config.redis_max_staleness_ms / 1000:
+            return None
+        view.now = self._view_now + age * self.clock_scale
+        self.decided_at_once += 1
+        return self._decide_one(key, table, view, request_id)
+
     async def route(self, key: PrefixKey, table: RoutingTable, request_id: str = "") -> Routed:
         if not self._tasks or self._tasks[0].done():
             raise StateUnavailable("the routing store is not running")
-        self._table = table
-        view = self._view
-        if view is not None and view.table is table and not self._in_doubt:
-            age = asyncio.get_running_loop().time() - self._view_at
-            if age <= table.config.redis_max_staleness_ms / 1000:
-                view.now = self._view_now + age * self.clock_scale
-                self.decided_at_once += 1
-                return self._decide_one(key, table, view, request_id)
+        routed = self.route_at_once(key, table, request_id)
+        if routed is not None:
+            return routed
         future: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
         self._waiting.append(_Waiting(key, table, request_id, future))
         self._wake.set()
@@ -353,7 +366,13 @@ class RedisStore:
                         w.future.set_exception(StateUnavailable(repr(exc)))
                 continue
             if table is not None and reply is not None and view is not None:
-                self._decide(waiting, table, view)
+                try:
+                    self._decide(waiting, table, view)
+                except Exception as exc:  # noqa: BLE001 - a bug must not stop the flusher
+                    log.exception("deciding a batch failed")
+                    for w in waiting:
+                        if not w.future.done():
+                            w.future.set_exception(StateUnavailable(repr(exc)))
             if self._next:
                 self._wake_soon()
 
