@@ -89,6 +89,17 @@ class RouteResult:
     """Set when the router answers the request itself (an unknown model: a 404 body)."""
 
 
+class PendingRoute(NamedTuple):
+    """A request keyed and pooled, waiting for its decision (:meth:`RequestRouter.finish_route`)."""
+
+    key: PrefixKey
+    table: RoutingTable
+    pool: Pool
+    request_id: str
+    started: float
+    """``perf_counter`` when routing began: the decision's latency counts from there."""
+
+
 class RequestRouter:
     def __init__(
         self,
@@ -126,15 +137,10 @@ class RequestRouter:
     ) -> RouteResult:
         """Route one request: at once when the store can decide without waiting, else
         after its round trip."""
-        started = time.perf_counter()
-        prepared = self._prepare(body, path, tenant, complete, request_id, started)
-        if isinstance(prepared, RouteResult):
-            return prepared
-        key, table, pool = prepared
-        decided = self._route_at_once(key, table, request_id)
-        if decided is None:
-            decided = await self._route(key, table, request_id)
-        return self._result(key, table, pool, decided, request_id, started)
+        begun = self.route_at_once(
+            body, path=path, tenant=tenant, complete=complete, request_id=request_id
+        )
+        return begun if isinstance(begun, RouteResult) else await self.finish_route(begun)
 
     def route_at_once(
         self,
@@ -144,19 +150,24 @@ class RequestRouter:
         tenant: str,
         complete: bool = True,
         request_id: str = "",
-    ) -> RouteResult | None:
-        """:meth:`route` if it needs no waiting (the usual case: the store decides on
-        state it holds), else None: then call :meth:`route`. Answering in the same turn
-        of the event loop saves ext_proc a task and a loop turn per request."""
+    ) -> RouteResult | PendingRoute:
+        """The request's result if it needs no waiting (the usual case: the store decides
+        on state it holds), else a :class:`PendingRoute` to :meth:`finish_route`.
+        Answering in the same turn of the event loop saves ext_proc a task and a loop
+        turn per request."""
         started = time.perf_counter()
         prepared = self._prepare(body, path, tenant, complete, request_id, started)
         if isinstance(prepared, RouteResult):
             return prepared
-        key, table, pool = prepared
-        decided = self._route_at_once(key, table, request_id)
-        if decided is None:
-            return None
-        return self._result(key, table, pool, decided, request_id, started)
+        pending = PendingRoute(*prepared, request_id, started)
+        decided = self._route_at_once(pending.key, pending.table, request_id)
+        return pending if decided is None else self._result(pending, decided)
+
+    async def finish_route(self, pending: PendingRoute) -> RouteResult:
+        """The result of a request :meth:`route_at_once` could not decide at once."""
+        return self._result(
+            pending, await self._route(pending.key, pending.table, pending.request_id)
+        )
 
     def _prepare(
         self, body: bytes, path: str, tenant: str, complete: bool, request_id: str, started: float
@@ -184,14 +195,9 @@ class RequestRouter:
         return key, table, pool
 
     def _result(
-        self,
-        key: PrefixKey,
-        table: RoutingTable,
-        pool: Pool,
-        decided: tuple[Routed, RoutingStore, bool],
-        request_id: str,
-        started: float,
+        self, pending: PendingRoute, decided: tuple[Routed, RoutingStore, bool]
     ) -> RouteResult:
+        key, table, pool, request_id, started = pending
         routed, store, degraded = decided
         made = routed.decision
         self.callbacks.on_reserved(routed.instance_id)

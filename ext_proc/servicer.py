@@ -43,7 +43,7 @@ from envoy.type.v3 import http_status_pb2
 from google.protobuf.message import DecodeError  # type: ignore[import-untyped]
 
 from ext_proc.http2.grpc_server import Answer, GrpcError, StatusCode
-from ext_proc.router import RequestRouter, RouteResult
+from ext_proc.router import PendingRoute, RequestRouter, RouteResult
 from prefix_router.core.pools import POOL_HEADER
 
 log = logging.getLogger("prefix_router.ext_proc")
@@ -239,19 +239,13 @@ class ProcessingStream:
             )
         except Exception as exc:  # the data path never fails a request
             return self._failed(exc)
-        if result is None:
-            return self._route(body)
-        return self._answer(result)
+        if isinstance(result, RouteResult):
+            return self._answer(result)
+        return self._route(result)
 
-    async def _route(self, body: pb.HttpBody) -> bytes:
+    async def _route(self, pending: PendingRoute) -> bytes:
         try:
-            result = await self._processor.router.route(
-                body.body,
-                path=self._path,
-                tenant=self._tenant,
-                complete=body.end_of_stream,
-                request_id=self._request_id,
-            )
+            result = await self._processor.router.finish_route(pending)
         except Exception as exc:  # the data path never fails a request
             return self._failed(exc)
         return self._answer(result)

@@ -5,7 +5,7 @@ from __future__ import annotations
 import json
 from collections import Counter
 
-from ext_proc.router import RequestRouter
+from ext_proc.router import PendingRoute, RequestRouter, RouteResult
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.decision import Outcome
 from prefix_router.core.fleet import Fleet, Instance
@@ -88,10 +88,14 @@ async def test_an_empty_fleet_routes_nothing() -> None:
 
 
 async def test_a_store_that_holds_its_state_decides_at_once() -> None:
-    """``route_at_once`` decides without waiting when the store can, and says so with None
-    when it cannot (the caller then awaits ``route``)."""
+    """``route_at_once`` decides without waiting when the store can; when it cannot, it
+    hands back the keyed request, and ``finish_route`` decides it after the wait."""
     router = RequestRouter(TABLE, InProcessStore())
     result = router.route_at_once(body("q0"), path=PATH, tenant="")
-    assert result is not None and result.decision.outcome is Outcome.PLACED
+    assert isinstance(result, RouteResult) and result.decision.outcome is Outcome.PLACED
     router.finish(result)
-    assert RequestRouter(TABLE, DownStore()).route_at_once(body("q0"), path=PATH, tenant="") is None
+    waiting = RequestRouter(TABLE, DownStore())
+    pending = waiting.route_at_once(body("q0"), path=PATH, tenant="")
+    assert isinstance(pending, PendingRoute)
+    finished = await waiting.finish_route(pending)  # the store is down: decided on its own
+    assert finished.decision.outcome is Outcome.RING_ONLY
