@@ -10,7 +10,6 @@ import asyncio
 import json
 import os
 import random
-import shutil
 import signal
 import time
 import urllib.request
@@ -20,13 +19,11 @@ from pathlib import Path
 
 import httpx
 import pytest
-import redis
 
 from prefix_router.core.config import RouterConfig
-from prefix_router.ops.launch import start_redis_server
-from prefix_router.ops.procs import ManagedProcess, free_port
 from tests.conftest import ProcessReaper
 from tests.support.figures import report
+from tests.support.own_redis import OwnRedis
 from tests.support.static_stack import (
     StaticStack,
     envoy_stats,
@@ -40,35 +37,6 @@ pytestmark = pytest.mark.e2e
 MODEL = "meta-llama/Llama-3.1-70B-Instruct"
 UNAVAILABLE = "routing store unavailable"  # ext_proc's log, once per outage
 RESUMED = "fleet-wide routing resumed"
-
-
-class OwnRedis:
-    """A redis-server on a free port that the test may stop and start again."""
-
-    def __init__(self, procs: ProcessReaper, log_dir: Path) -> None:
-        binary = shutil.which("redis-server")
-        if binary is None:
-            pytest.fail("redis-server is not on PATH (.ci/run installs it)")
-        self.binary = binary
-        self.port = free_port()
-        self.url = f"redis://127.0.0.1:{self.port}/0"
-        self.procs = procs
-        self.log_dir = log_dir
-        self.proc: ManagedProcess | None = None
-
-    def start(self) -> None:
-        self.proc = self.procs.add(start_redis_server(self.binary, self.port, self.log_dir))
-
-    def stop(self) -> None:
-        assert self.proc is not None
-        self.proc.kill()
-
-    def in_flight(self) -> dict[bytes, bytes]:
-        client = redis.Redis.from_url(self.url)
-        try:
-            return client.hgetall("prefix-router:inflight")  # type: ignore[return-value]
-        finally:
-            client.close()
 
 
 @pytest.fixture
@@ -219,6 +187,8 @@ async def test_redis_stopped_and_restarted_mid_load_fails_no_request(
     codes = load.codes
     report("Redis stopped", sent=sum(codes.values()), failed=sum(codes.values()) - codes[200])
     assert set(codes) == {200}, codes
+    # One outage, not one more per connection that was open to the stopped server.
+    assert log.read_text().count(UNAVAILABLE) == 1, log.read_text()
     await counted_in(own_redis, stack)
 
 
@@ -260,6 +230,7 @@ async def test_a_hung_redis_fails_no_request_and_every_decision_stays_bounded(
     stats = envoy_stats(stack, "ext_proc")
     assert stats["http.data_plane.ext_proc.message_timeouts"] == 0, stats
     assert stats["http.data_plane.ext_proc.failure_mode_allowed"] == 0, stats
+    assert log.read_text().count(UNAVAILABLE) == 1, log.read_text()
     await counted_in(own_redis, stack)
 
 

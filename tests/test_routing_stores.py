@@ -405,6 +405,44 @@ async def test_a_dead_replicas_counts_disappear(namespace: str) -> None:
         await dead.redis.aclose()
 
 
+async def test_a_failed_round_trip_drops_every_pooled_connection(namespace: str) -> None:
+    """When Redis restarts, every connection opened before is dead; one left in the pool
+    fails the first round trip that draws it, after fleet-wide routing had resumed: an
+    outage after the outage. So a failed round trip closes them all, and the next calls
+    connect afresh."""
+    store = await RedisStore.connect(REDIS_URL, namespace=namespace, timeout_s=1.0)
+    store._tasks[1].cancel()  # no heartbeat: only the test's calls use connections
+    client = aioredis.Redis.from_url(REDIS_URL)
+    real_sync = store._sync
+
+    async def connected() -> int:
+        clients = await client.client_list()
+        return sum(1 for c in clients if c["name"] == store.replica)
+
+    try:
+        await route(store, doc("a"))
+        await asyncio.gather(*(store.redis.client_setname(store.replica) for _ in range(6)))
+        assert await connected() >= 2
+
+        async def lost(**_: object) -> bytes:
+            store._sync = real_sync
+            raise ConnectionError("the round trip is lost")
+
+        store._sync = lost  # type: ignore[method-assign]
+        waits = RoutingTable.build(FLEET, CONFIG.patched({"redis_max_staleness_ms": 0}))
+        with pytest.raises(StateUnavailable):
+            await store.route(key(doc("b")), waits)
+        for _ in range(200):
+            if await connected() == 0:
+                break
+            await asyncio.sleep(0.01)
+        assert await connected() == 0
+        await route(store, doc("c"))  # and the store connects again
+    finally:
+        await store.close()
+        await client.aclose()
+
+
 async def test_redis_down_is_reported_within_the_round_trip_timeout() -> None:
     store = await RedisStore.connect("redis://127.0.0.1:1/0", namespace="nowhere:", timeout_s=0.05)
     try:

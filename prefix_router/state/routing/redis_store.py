@@ -53,7 +53,9 @@ counts within a few seconds. When a round trip fails outright, the replica rewri
 share from its own exact local counts before its next batch, in the flusher, so no
 release can overtake the rewrite on another connection. A write sent before the outage
 can still land after that rewrite (a frozen server reads what waits in its sockets when
-it thaws, in no set order), so the share is rewritten once more ``SETTLE_S`` later.
+it thaws, in no set order), so the share is rewritten once more ``SETTLE_S`` later. A
+failed call also closes every pooled connection (a restarted Redis leaves each of them
+dead), and the flusher pauses one round trip's timeout before it tries again.
 """
 
 from __future__ import annotations
@@ -364,6 +366,8 @@ class RedisStore:
                 for w in waiting:
                     if not w.future.done():
                         w.future.set_exception(StateUnavailable(repr(exc)))
+                await self._drop_connections()
+                await asyncio.sleep(self.round_trip_timeout_s)  # not a retry every few ms
                 continue
             if table is not None and reply is not None and view is not None:
                 try:
@@ -504,8 +508,9 @@ class RedisStore:
         while not self._closing:
             try:
                 await self.beat()
-            except RedisError as exc:
+            except (RedisError, OSError) as exc:
                 log.debug("heartbeat failed: %r", exc)
+                await self._drop_connections()
             await asyncio.sleep(HEARTBEAT_S)
 
     async def beat(self) -> None:
@@ -526,6 +531,15 @@ class RedisStore:
             self._in_doubt = True
         if self._in_doubt:
             self._wake.set()
+
+    async def _drop_connections(self) -> None:
+        """Close every pooled connection after a failed call: when Redis restarts, each
+        connection opened before is dead, and one kept in the pool would fail the first
+        round trip that draws it, an outage after the outage (each one half a second of
+        routing on this replica's own state). The next calls connect afresh."""
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            async with asyncio.timeout(self.round_trip_timeout_s):
+                await self.redis.connection_pool.disconnect()
 
     async def _rewrite_share(self) -> None:
         args: list[str | int] = []
