@@ -101,9 +101,13 @@ HEARTBEAT_TTL_S = 3.0
 SETTLE_S = 1.0
 """After an outage, how long after the first successful rewrite of the share it is
 rewritten again, to undo writes of the outage that the server applied late."""
-WRITE_DELAY_S = 0.002
+WRITE_DELAY_S = 0.005
 """Longest a write (a release, a routed request's index entries and counts) waits for a
-round trip to ride on; other replicas see it that much later at most."""
+round trip to ride on; other replicas see it that much later at most. Each round trip
+costs the replica ~150-250 us of CPU, most of it waking Redis: at 2 ms a replica serving
+one request every ~2 ms made one per request, and its CPU a request with the state in
+Redis was +470-560 us over in-process; at 5 ms, +320-360 us (``decision_latency.py``'s
+paced row). A refresh of the copy is still due within ``redis_max_staleness_ms``."""
 COPY_MAX_SLOTS_LOG2 = 20
 """Largest index a replica keeps a copy of (32 MiB); a larger one is read slot by slot, each
 request waiting for its round trip."""
@@ -153,8 +157,13 @@ class RedisStore:
         self.replicas_key = f"{namespace}replicas"
         self.alive_key = f"{namespace}alive:{self.replica}"
         self.models_key = f"{namespace}models"
-        self._sync = client.register_script(SYNC)
-        self._rewrite = client.register_script(REWRITE_SHARE)
+        self._flusher_client = client.client()
+        """One connection of the pool kept for the flusher's round trips: drawing one from
+        the pool for each (a lock, a check that it has nothing unread) costs about a
+        quarter of the call's CPU. Its calls never overlap; one cut short by the timeout
+        disconnects it (redis-py), so no reply is read by the wrong call."""
+        self._sync = self._flusher_client.register_script(SYNC)
+        self._rewrite = self._flusher_client.register_script(REWRITE_SHARE)
         self._reap = client.register_script(REAP)
         self._local: Counter[str] = Counter()
         """This replica's exact counts: what its share in Redis should be."""
@@ -571,6 +580,7 @@ class RedisStore:
             await self._rewrite(keys=[self.fleet_key, self.share_key], args=[])
             await self.redis.srem(self.replicas_key, self.replica)
             await self.redis.delete(self.alive_key)
+        await self._flusher_client.aclose()
         await self.redis.aclose()
 
 
