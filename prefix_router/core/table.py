@@ -124,6 +124,8 @@ class RoutingTable:
     tags: tuple[int, ...]
     """Each instance's identity tag in the prefix index, distinct within the fleet."""
     instance_of_tag: dict[int, int]
+    index_of: dict[str, int]
+    """Instance id -> its index into :attr:`ids`."""
     key_settings: KeySettings
     rule: DecisionRule
     default_model: InstanceModel
@@ -173,6 +175,7 @@ class RoutingTable:
             tokens=tuple(whole.tokens[i] for i in range(len(hosts))),
             tags=tags,
             instance_of_tag=dict(whole.instance_of_tag),
+            index_of=index,
             key_settings=KeySettings(
                 prefix_length=config.prefix_length,
                 mode=config.prefix_mode,

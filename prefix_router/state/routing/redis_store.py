@@ -730,20 +730,20 @@ class _BatchView:
     def replay(self, pending: SyncArgs, keep: int) -> None:
         """Record what this replica did after the round trip was sent (not in its read):
         the requests it routed, then those that ended."""
-        ids = self.table.ids
+        index_of = self.table.index_of
         for chosen, decided_at, prefill, written, rate, *_ in pending.admits:
-            if chosen in ids:
-                self._admit(ids.index(chosen), decided_at, prefill, written, rate, keep)
+            i = index_of.get(chosen)
+            if i is not None:
+                self._admit(i, decided_at, prefill, written, rate, keep)
         for instance_id, end in pending.releases:
             self.release(instance_id, self.now, end)
 
     def release(self, instance_id: str, now: float, end: float) -> None:
         """A request on ``instance_id`` ended at ``now`` (its prefill modelled to ``end``),
         as the script applies it."""
-        ids = self.table.ids
-        if instance_id not in ids:
+        i = self.table.index_of.get(instance_id)
+        if i is None:
             return
-        i = ids.index(instance_id)
         if self._in_flight[i] > 0:
             self._in_flight[i] -= 1
             self._total -= 1
