@@ -11,6 +11,7 @@ from collections.abc import AsyncIterator, Awaitable, Callable
 
 import pytest
 import redis.asyncio as aioredis
+from redis import exceptions as redis_exceptions
 
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.decision import Outcome
@@ -441,6 +442,21 @@ async def test_a_failed_round_trip_drops_every_pooled_connection(namespace: str)
     finally:
         await store.close()
         await client.aclose()
+
+
+@pytest.mark.parametrize(
+    ("error", "lost"),
+    [
+        (redis_exceptions.ConnectionError("closed by server"), True),
+        (redis_exceptions.TimeoutError("read timed out"), True),
+        (ConnectionResetError(104, "reset"), True),
+        (TimeoutError(), True),  # asyncio.timeout: the round trip's bound
+        (redis_exceptions.ResponseError("ERR script error"), False),  # Redis answered
+        (redis_exceptions.NoScriptError("NOSCRIPT"), False),
+    ],
+)
+def test_only_a_failed_connection_drops_the_pool(error: BaseException, lost: bool) -> None:
+    assert redis_store._lost_connection(error) is lost
 
 
 async def test_redis_down_is_reported_within_the_round_trip_timeout() -> None:

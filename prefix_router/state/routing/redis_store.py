@@ -69,7 +69,9 @@ from collections import Counter
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
+from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
+from redis.exceptions import TimeoutError as RedisTimeoutError
 
 from prefix_router.core.decision import Decision, Load, Outcome
 from prefix_router.core.index import (
@@ -375,7 +377,8 @@ class RedisStore:
                 for w in waiting:
                     if not w.future.done():
                         w.future.set_exception(StateUnavailable(repr(exc)))
-                await self._drop_connections()
+                if _lost_connection(exc):
+                    await self._drop_connections()
                 await asyncio.sleep(self.round_trip_timeout_s)  # not a retry every few ms
                 continue
             if table is not None and reply is not None and view is not None:
@@ -519,7 +522,8 @@ class RedisStore:
                 await self.beat()
             except (RedisError, OSError) as exc:
                 log.debug("heartbeat failed: %r", exc)
-                await self._drop_connections()
+                if _lost_connection(exc):
+                    await self._drop_connections()
             await asyncio.sleep(HEARTBEAT_S)
 
     async def beat(self) -> None:
@@ -582,6 +586,11 @@ class RedisStore:
             await self.redis.delete(self.alive_key)
         await self._flusher_client.aclose()
         await self.redis.aclose()
+
+
+def _lost_connection(exc: BaseException) -> bool:
+    """Whether a failed call says the connection failed (not Redis answering an error)."""
+    return isinstance(exc, RedisConnectionError | RedisTimeoutError | OSError | TimeoutError)
 
 
 def _slots_of(waiting: list[_Waiting], table: RoutingTable) -> list[int]:
