@@ -2,10 +2,13 @@
 
 Starts, on 127.0.0.1: three echo backends, P prefix-router ext_proc processes on
 each transport (our HTTP/2 server, the default, and grpcio), P bare ones
-(``bare_ext_proc.py``: grpcio, continue, decide nothing) and four Envoys over the
-same static fleet: one with the filter turned off, one through the bare ext_proc,
-one through each of prefix-router's. The bare one is the yardstick that does not
-depend on the machine: what a Python ext_proc on grpcio costs at all.
+(``bare_ext_proc.py``: grpcio, continue, decide nothing), P floors (our HTTP/2 server
+answering every message at once, ``ext_proc_round_trip.py --floor``) and five Envoys over
+the same static fleet: one with the filter turned off, one through the bare ext_proc, one
+through the floor, one through each of prefix-router's. The bare one is the yardstick
+that does not depend on the machine: what a Python ext_proc on grpcio costs at all. The
+floor splits what ours adds into what any ext_proc on our transport adds (Envoy's two
+exchanges and the wake-ups) and what routing adds.
 For 1 KB and 64 KB OpenAI chat bodies it measures, with wrk, latency p50/p99 at
 concurrency 1 and requests/s at concurrency 16, and during the latter the ext_proc
 processes' CPU time per request: its inverse is the requests/s one process serves
@@ -39,6 +42,7 @@ from prefix_router.ops.procs import ManagedProcess, free_port
 PATHS = {
     "direct": "Envoy alone",
     "bare": "bare Python ext_proc (grpcio)",
+    "floor": "our server answering at once (no routing)",
     "ext_proc": "prefix-router ext_proc",
     "ext_proc_grpcio": "prefix-router ext_proc, grpcio transport",
 }
@@ -88,7 +92,21 @@ def main() -> None:
             env = {"PYTHONPATH": str(Path(args.baseline).resolve())}
             return start_ext_proc(port, logs, args=ep_args, name=f"baseline-{port}", env=env)
 
-        starters = {"bare": bare, "ext_proc": ours("http2"), "ext_proc_grpcio": ours("grpcio")}
+        def floor(port: int) -> ManagedProcess:
+            return start_module(
+                f"floor-{port}",
+                "bench.scripts.ext_proc_round_trip",
+                ["--floor", str(port)],
+                logs,
+                ready_ports=[port],
+            )
+
+        starters = {
+            "bare": bare,
+            "floor": floor,
+            "ext_proc": ours("http2"),
+            "ext_proc_grpcio": ours("grpcio"),
+        }
         if args.baseline:
             starters["baseline"] = baseline
         pids: dict[str, list[int]] = {"direct": []}
@@ -132,7 +150,8 @@ def main() -> None:
             added_p50 = {n: latency[n]["p50"] - direct["p50"] for n in urls if n != "direct"}
             ratios.append(
                 f"{size // 1024} KB: ext_proc added p50 / bare's = "
-                f"**{added_p50['ext_proc'] / added_p50['bare']:.2f}**; stack req/s (c16) / Envoy "
+                f"**{added_p50['ext_proc'] / added_p50['bare']:.2f}** (our server answering at "
+                f"once: {added_p50['floor'] / added_p50['bare']:.2f}); stack req/s (c16) / Envoy "
                 f"alone's = **{rate['ext_proc']['rps'] / rate['direct']['rps']:.2f}**"
                 + (
                     f"; CPU a request / baseline's = "
