@@ -38,7 +38,6 @@ from __future__ import annotations
 import heapq
 import itertools
 import random
-import statistics
 from collections import deque
 from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
@@ -52,7 +51,7 @@ from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.key import extract_key
 from prefix_router.core.table import RoutingTable
-from prefix_router.core.work import InstanceModel, learned_prefill_rate
+from prefix_router.core.work import InstanceModel, learned_prefill_rate, rates_by_group
 from prefix_router.state.routing.memory import InProcessStore
 from vllm_sim.config import EngineConfig
 from vllm_sim.engine import build_sequence
@@ -244,11 +243,11 @@ class Simulation:
 
     def _learn(self, table: RoutingTable) -> None:
         """What the control plane learns from the instances' metrics every second: each
-        one's KV cache size, and the fleet's median prefill rate over the last minute
-        (:func:`prefix_router.core.work.learned_prefill_rate`, as
+        one's KV cache size, and its prefill rate over the last minute, the median of its
+        alike instances' (:func:`prefix_router.core.work.rates_by_group`, as
         :meth:`control_plane.fleet_view.FleetView.learned_models` computes it)."""
         self._next_scrape = self.now + SCRAPE_S
-        rates = []
+        learned: dict[str, float | None] = {}
         for engine in self._active:
             stats = engine.scheduler.stats
             readings = engine.readings
@@ -263,21 +262,19 @@ class Simulation:
             while len(readings) > 1 and readings[1][0] <= self.now - LEARN_WINDOW_S:
                 readings.popleft()
             t0, q0, h0, p0 = readings[0]
-            rate = learned_prefill_rate(
+            learned[engine.instance.id] = learned_prefill_rate(
                 (stats.prefix_cache_queries - q0) - (stats.prefix_cache_hits - h0),
                 stats.prefill_time.total - p0,
                 self.now - t0,
             )
-            if rate:
-                rates.append(rate)
-        model = InstanceModel(
-            prefill_tokens_per_s=(
-                statistics.median(rates) if rates else table.default_model.prefill_tokens_per_s
-            ),
-            kv_cache_tokens=self.config.num_gpu_blocks * self.config.block_size,
+        rates = rates_by_group(
+            learned, {e.instance.id: e.instance.base_models for e in self._active}
         )
+        capacity = self.config.num_gpu_blocks * self.config.block_size
+        default = table.default_model.prefill_tokens_per_s
         for engine in self._active:
-            self._store.learn(engine.instance.id, model)
+            rate = rates[engine.instance.id] or default
+            self._store.learn(engine.instance.id, InstanceModel(rate, capacity))
 
     # -- events -------------------------------------------------------------------------
 

@@ -36,7 +36,6 @@ import asyncio
 import contextlib
 import logging
 import math
-import statistics
 import time
 from collections import deque
 from collections.abc import Callable
@@ -59,7 +58,7 @@ from control_plane.vllm_metrics import (
 from prefix_router.core.decision import DecisionRule, in_flight_bound
 from prefix_router.core.fleet import Instance
 from prefix_router.core.table import RoutingTable
-from prefix_router.core.work import InstanceModel, model_text
+from prefix_router.core.work import InstanceModel, model_text, rates_by_group
 from prefix_router.state.store import State, StateError, StateStore
 from prefix_router.state.supervision import SupervisionReport, read_report
 
@@ -328,31 +327,29 @@ class FleetView:
         latest scrape succeeded (ConcurrencyThreshold then sees waiting requests the routers
         did not send).
 
-        The capacity is each instance's own KV cache size. The prefill rate is the fleet's
-        median of what each instance showed over the window: an instance that mostly serves
-        cached prompts prefills a few tokens a step and would pass for a slow one, which
-        would push its cached traffic away. (Instances of one fleet are alike in speed;
-        a fleet that mixes GPUs would want a rate per instance.)
+        The capacity is each instance's own KV cache size. The prefill rate is the median
+        of what the instances serving the same models showed over the window
+        (:func:`~prefix_router.core.work.rates_by_group`): alike instances share one rate,
+        and a fleet serving two models of different sizes gets one for each.
         """
-        rates: list[float] = []
+        learned: dict[str, float | None] = {}
         capacities: dict[str, float] = {}
         waiting: dict[str, int] = {}
         for instance_id, window in self.windows.items():
             newest = window.newest
             if newest is None:
                 continue
-            rate = learned_rate(newest, window.oldest, window.elapsed_s)
-            if rate:
-                rates.append(rate)
+            learned[instance_id] = learned_rate(newest, window.oldest, window.elapsed_s)
             capacities[instance_id] = newest.kv_cache_tokens or 0.0
             latest = self.scrapes.get(instance_id)
             if latest is not None and latest.reading is newest and newest.waiting is not None:
                 waiting[instance_id] = round(newest.waiting)
-        rate = statistics.median(rates) if rates else 0.0
+        instances = self.state.fleet.fleet.instances if self.state else ()
+        rates = rates_by_group(learned, {i.id: i.base_models for i in instances})
         now = self.wall_clock()
         return {
             instance_id: model_text(
-                InstanceModel(rate, capacity, waiting.get(instance_id, 0)),
+                InstanceModel(rates[instance_id], capacity, waiting.get(instance_id, 0)),
                 now if instance_id in waiting else None,
             )
             for instance_id, capacity in capacities.items()

@@ -326,3 +326,45 @@ async def test_each_scrape_publishes_the_waiting_count_an_instance_reports() -> 
         await view.tick()
         assert (await published()).waiting == 0
         assert (await store.redis.hget(models_key, A.id)).split()[2:] == []
+
+
+async def test_instances_serving_one_model_share_a_rate_and_another_models_get_their_own() -> None:
+    """The prefill rate published for each instance is the median of the instances that
+    serve the same models: a fleet of a 70B and an 8B pool gets one rate for each, not
+    one median that is wrong for both (here: 15,336 for all three)."""
+    big = [
+        Instance("127.0.0.1", 9101, models=("big",)),
+        Instance("127.0.0.1", 9102, models=("big",)),
+    ]
+    small = Instance("127.0.0.1", 9103, models=("small",))
+    tokens_per_tick = {9101: 20_000, 9102: 28_000, 9103: 60_000}  # 2 s of prefill a tick
+    ticks = {"n": 0}
+
+    def metrics(request: httpx.Request) -> httpx.Response:
+        n, queried = ticks["n"], tokens_per_tick[request.url.port]
+        text = (
+            "# TYPE vllm:prefix_cache_queries counter\n"
+            f'vllm:prefix_cache_queries_total{{model_name="m"}} {n * queried}.0\n'
+            "# TYPE vllm:prefix_cache_hits counter\n"
+            'vllm:prefix_cache_hits_total{model_name="m"} 0.0\n'
+            "# TYPE vllm:request_prefill_time_seconds histogram\n"
+            f'vllm:request_prefill_time_seconds_sum{{model_name="m"}} {n * 2.0}\n'
+        )
+        return httpx.Response(200, text=text)
+
+    now = {"t": 0.0}
+    async with (
+        fresh_store() as store,
+        httpx.AsyncClient(transport=httpx.MockTransport(metrics)) as client,
+    ):
+        await store.seed(Fleet.of([*big, small]), RouterConfig())
+        view = FleetView(store, client=client, redis_timeout_s=5.0, clock=lambda: now["t"])
+        for _ in range(3):  # 20 s: 4 s of prefill in the window
+            ticks["n"] += 1
+            now["t"] += 10.0
+            await view.tick()
+        raw = await store.redis.hgetall(f"{store.keys.namespace}models")
+        rate = {k.decode(): model_of_text(v, 0.0).prefill_tokens_per_s for k, v in raw.items()}
+    per_second_of_window = math.sqrt(1 + 2.0 / 10.0)  # core.work.learned_prefill_rate
+    assert rate[big[0].id] == rate[big[1].id] == pytest.approx(12_000 * per_second_of_window, abs=1)
+    assert rate[small.id] == pytest.approx(30_000 * per_second_of_window, abs=1)

@@ -12,6 +12,7 @@ from prefix_router.core.work import (
     finished,
     model_of_text,
     model_text,
+    rates_by_group,
 )
 
 
@@ -95,3 +96,45 @@ def test_the_instance_reported_waiting_count_only_raises_the_routers_own() -> No
     assert InstanceModel(1000.0, 1.0, 0).waiting_with(work, 0.5) == 1
     assert InstanceModel(1000.0, 1.0, 5).waiting_with(work, 0.5) == 5
     assert InstanceModel(1000.0, 1.0, 5).waiting_with(work, 2.0) == 5
+
+
+BIG, SMALL = frozenset({"llama-70b"}), frozenset({"llama-8b"})
+
+
+@pytest.mark.parametrize(
+    ("learned", "groups", "expected"),
+    [
+        # one model: every instance gets the fleet's median, the idle one (None) too
+        (
+            {"a": 9000.0, "b": 12000.0, "c": 3000.0, "d": None},
+            dict.fromkeys("abcd", BIG),
+            dict.fromkeys("abcd", 9000.0),
+        ),
+        # an instance in no group is alone: its own rate, else the fleet's median
+        (
+            {"a": 9000.0, "b": 12000.0, "c": 3000.0, "d": None},
+            {},
+            {"a": 9000.0, "b": 12000.0, "c": 3000.0, "d": 9000.0},
+        ),
+        # two models: each pool its own median; one unlearned instance takes its pool's
+        (
+            {"a": 11000.0, "b": 12000.0, "c": 13000.0, "s1": 30000.0, "s2": None},
+            {"a": BIG, "b": BIG, "c": BIG, "s1": SMALL, "s2": SMALL},
+            {"a": 12000.0, "b": 12000.0, "c": 12000.0, "s1": 30000.0, "s2": 30000.0},
+        ),
+        # a pool with nothing learned yet falls back to the whole fleet's median
+        (
+            {"a": 10000.0, "b": 14000.0, "s1": None},
+            {"a": BIG, "b": BIG, "s1": SMALL},
+            {"a": 12000.0, "b": 12000.0, "s1": 12000.0},
+        ),
+        # nothing learned anywhere: 0, the config's default applies
+        ({"a": None, "b": 0.0}, {"a": BIG, "b": BIG}, {"a": 0.0, "b": 0.0}),
+    ],
+)
+def test_each_instance_takes_the_median_rate_of_the_instances_serving_its_models(
+    learned: dict[str, float | None],
+    groups: dict[str, frozenset[str]],
+    expected: dict[str, float],
+) -> None:
+    assert rates_by_group(learned, groups) == expected

@@ -98,6 +98,16 @@ class Instance:
         return self.models or tuple(m.name for m in self.discovered)
 
     @property
+    def base_models(self) -> frozenset[str]:
+        """The base models behind what it serves (a discovered LoRA adapter counts as the
+        model it was loaded on); empty: unknown. Instances with the same ones run the same
+        weights, so the control plane takes them to prefill alike
+        (:func:`prefix_router.core.work.rates_by_group`)."""
+        if self.models:
+            return frozenset(self.models)
+        return frozenset(m.parent or m.name for m in self.discovered)
+
+    @property
     def routable(self) -> bool:
         """True when Envoy's load balancer may pick it for a new request."""
         return self.state is InstanceState.ACTIVE and self.healthy

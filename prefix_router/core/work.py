@@ -27,7 +27,9 @@ ext_proc replicas, where the same arithmetic runs inside the write so replicas a
 from __future__ import annotations
 
 import math
+import statistics
 from bisect import bisect_right
+from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
@@ -181,3 +183,30 @@ def learned_prefill_rate(
     if prefill_seconds < MIN_PREFILL_SECONDS or computed_tokens <= 0 or window_seconds <= 0:
         return None
     return computed_tokens / prefill_seconds * math.sqrt(1.0 + prefill_seconds / window_seconds)
+
+
+def rates_by_group(
+    learned: Mapping[str, float | None], group_of: Mapping[str, Hashable]
+) -> dict[str, float]:
+    """The prefill rate the router uses for each instance of ``learned`` (instance ->
+    its own :func:`learned_prefill_rate`, None where the window could not tell): the
+    median of the rates learned in its group (``group_of``: instances alike in speed,
+    e.g. those serving the same models), else the median of every learned rate, else 0
+    (unknown: the config's default applies).
+
+    A median, not the instance's own rate: an instance that mostly serves cached prompts
+    prefills a few tokens a step and would pass for a slow one, which would push its
+    cached traffic away. By group, because a fleet serving a 70B and an 8B model has
+    two speeds, several times apart, and one median would make one pool's queues look
+    longer than they are and the other's shorter. An instance missing from ``group_of``
+    is a group of its own."""
+    known = {i: r for i, r in learned.items() if r}
+    groups: dict[Hashable, list[float]] = {}
+    for instance, rate in known.items():
+        groups.setdefault(group_of.get(instance, ("instance", instance)), []).append(rate)
+    fleet = statistics.median(known.values()) if known else 0.0
+    out = {}
+    for instance in learned:
+        group = groups.get(group_of.get(instance, ("instance", instance)))
+        out[instance] = statistics.median(group) if group else fleet
+    return out
