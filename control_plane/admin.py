@@ -26,6 +26,7 @@ from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
 from pydantic import BaseModel, ConfigDict, Field
 
+from control_plane.body_limit import BodyLimit
 from control_plane.service import AdminService, InstanceExists, InstanceNotFound
 from prefix_router.core.errors import ConfigError, FleetError
 from prefix_router.core.fleet import Instance, InstanceState
@@ -104,6 +105,7 @@ def create_app(service: AdminService, *, token: str | None) -> FastAPI:
         openapi_url=None,
     )
     app.state.token = token
+    app.add_middleware(BodyLimit)
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
