@@ -45,6 +45,7 @@ KNOWN_KINDS = {
     "Service": "v1",
     "Deployment": "apps/v1",
     "NetworkPolicy": "networking.k8s.io/v1",
+    "PodDisruptionBudget": "policy/v1",
 }
 COMPONENTS = ("redis", "control-plane", "envoy")
 """The Deployments; ext_proc is a sidecar in Envoy's pod."""
@@ -620,6 +621,22 @@ def test_every_container_has_requests_a_memory_limit_and_no_root() -> None:
             assert c["securityContext"]["readOnlyRootFilesystem"] is True
 
 
+def test_the_data_plane_keeps_a_replica_through_drains_and_rollouts() -> None:
+    """Envoy's pods: a disruption budget that leaves at least one running, a rollout that
+    adds before it removes, and replicas spread over nodes."""
+    envoy = by_kind("Deployment")["envoy"]
+    replicas = envoy["spec"]["replicas"]
+    pods = envoy["spec"]["template"]["metadata"]["labels"]
+    budget = by_kind("PodDisruptionBudget")["envoy"]["spec"]
+    assert budget["selector"]["matchLabels"].items() <= pods.items()
+    assert budget["maxUnavailable"] < replicas
+    rolling = envoy["spec"]["strategy"]["rollingUpdate"]
+    assert rolling["maxUnavailable"] == 0 and rolling["maxSurge"] >= 1
+    (spread,) = envoy["spec"]["template"]["spec"]["topologySpreadConstraints"]
+    assert spread["topologyKey"] == "kubernetes.io/hostname"
+    assert spread["labelSelector"]["matchLabels"].items() <= pods.items()
+
+
 def test_prometheus_annotations_point_at_metrics_ports() -> None:
     expected = {"control-plane": "metrics", "envoy": "probes"}
     assert set(expected) == {
@@ -665,6 +682,10 @@ def test_kustomize_builds_and_rewrites_generated_names(rendered: Path) -> None:
         (hashed,) = [n for n in config_maps if n.startswith(generated_name + "-")]
         assert f"name: {generated_name}\n" not in text  # every reference was rewritten
         assert f"name: {hashed}" in text
-    assert {"Deployment"} == {k for k, n in names if n in COMPONENTS} - {"Service", "NetworkPolicy"}
+    assert {"Deployment"} == {k for k, n in names if n in COMPONENTS} - {
+        "Service",
+        "NetworkPolicy",
+        "PodDisruptionBudget",
+    }
     for doc in docs:
         kubernetes_validate.validate(doc, SCHEMA_VERSIONS[-1], strict=True)
