@@ -211,6 +211,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
                 log_level="warning",
                 log_config=None,
                 lifespan="off",
+                limit_concurrency=ADMIN_MAX_CONCURRENCY,
             )
         )
     )

@@ -16,13 +16,13 @@ from enum import StrEnum
 from typing import Protocol
 
 import uvloop
-from prometheus_client import start_http_server
 
 from ext_proc.grpcio_server import GrpcioExtProcServer
 from ext_proc.http2.grpc_server import GrpcServer
 from ext_proc.http2.health import CHECK_PATH, HealthStatus
 from ext_proc.http2.limits import PeerLimits, add_flags, limits_from_args
 from ext_proc.metrics import PrometheusCallbacks
+from ext_proc.metrics_server import serve_metrics
 from ext_proc.router import RequestRouter
 from ext_proc.servicer import PROCESS_PATH, SERVICE_NAME, ExternalProcessor
 from ext_proc.state_follower import follow_state
@@ -187,11 +187,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         store = await _routing_store(args.redis_url, args.namespace, config, args.clock_scale)
         callbacks = PrometheusCallbacks()
         if args.metrics_port:
-            start_http_server(
-                args.metrics_port,
-                addr=args.metrics_host or args.host,
-                registry=callbacks.registry,
-            )
+            serve_metrics(args.metrics_port, args.metrics_host or args.host, callbacks.registry)
         router = RequestRouter(
             RoutingTable.build(fleet, config), store, callbacks, clock_scale=args.clock_scale
         )

@@ -1,0 +1,89 @@
+"""ext_proc's ``/metrics`` endpoint, bounded per peer.
+
+prometheus_client's ``start_http_server`` gives each connection a thread that waits for
+its request with no time limit: 300 connections that never send one held 300 threads and
+300 file descriptors of the ext_proc process, for good (measured). Those descriptors are
+the ones the data path's gRPC server needs to accept Envoy's connections, so a peer that
+can reach the metrics port could starve the router. This server is the same standard
+library pieces (``wsgiref`` serving prometheus_client's WSGI app, a thread a connection)
+with two bounds:
+
+* at most ``max_connections`` connections at once; one more is closed as it is accepted;
+* a connection that sends nothing for ``timeout_s`` is closed.
+
+A scrape takes a few milliseconds, so the defaults (8 connections, 5 s) refuse nothing a
+Prometheus server does.
+"""
+
+from __future__ import annotations
+
+import logging
+import socket
+import threading
+from socketserver import ThreadingMixIn
+from typing import Any
+from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
+
+from prometheus_client import CollectorRegistry, make_wsgi_app
+
+log = logging.getLogger("prefix_router.ext_proc")
+
+MAX_CONNECTIONS = 8
+"""Metrics connections served at once."""
+TIMEOUT_S = 5.0
+"""Seconds a metrics connection may stay silent."""
+
+
+class _Handler(WSGIRequestHandler):
+    def log_message(self, format: str, *args: Any) -> None:  # noqa: A002 - the base's name
+        pass  # a scrape every few seconds is not worth a log line
+
+
+class _BoundedServer(ThreadingMixIn, WSGIServer):
+    daemon_threads = True
+    request_queue_size = 128  # the listen backlog (5 by default): a burst is closed, not stalled
+    slots: threading.BoundedSemaphore
+    timeout_s: float
+
+    def process_request(self, request: Any, client_address: Any) -> None:
+        if not self.slots.acquire(blocking=False):
+            self.shutdown_request(request)  # full: close it at once
+            return
+        try:
+            request.settimeout(self.timeout_s)
+            super().process_request(request, client_address)
+        except BaseException:
+            self.slots.release()
+            raise
+
+    def process_request_thread(self, request: Any, client_address: Any) -> None:
+        try:
+            super().process_request_thread(request, client_address)
+        finally:
+            self.slots.release()
+
+    def handle_error(self, request: Any, client_address: Any) -> None:
+        # A peer that went silent (socket.timeout) or away: nothing to report.
+        log.debug("metrics connection from %s ended with an error", client_address, exc_info=True)
+
+
+def serve_metrics(
+    port: int,
+    host: str,
+    registry: CollectorRegistry,
+    *,
+    max_connections: int = MAX_CONNECTIONS,
+    timeout_s: float = TIMEOUT_S,
+) -> WSGIServer:
+    """Serve ``registry`` on ``host:port`` (``GET /metrics``, any path) from a daemon
+    thread; ``shutdown()`` and ``server_close()`` stop it."""
+    family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
+    server_class = type("MetricsServer", (_BoundedServer,), {"address_family": family})
+    server: WSGIServer = make_server(
+        host, port, make_wsgi_app(registry), server_class=server_class, handler_class=_Handler
+    )
+    assert isinstance(server, _BoundedServer)
+    server.slots = threading.BoundedSemaphore(max_connections)
+    server.timeout_s = timeout_s
+    threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
+    return server

@@ -1,0 +1,87 @@
+"""ext_proc's /metrics endpoint holds at most a few connections, each for a bounded time,
+so a peer reaching the metrics port cannot take the process's threads or the file
+descriptors its gRPC server needs (prometheus_client's own server held one thread and
+one descriptor per idle connection, forever)."""
+
+from __future__ import annotations
+
+import os
+import socket
+import threading
+import time
+import urllib.request
+from collections.abc import Iterator
+from contextlib import ExitStack, contextmanager
+from pathlib import Path
+
+from prometheus_client import CollectorRegistry, Counter
+
+from ext_proc.metrics_server import serve_metrics
+from prefix_router.ops.launch import start_ext_proc
+from prefix_router.ops.procs import free_port
+
+WAIT_S = 3.0
+
+
+def closed_by_server(sock: socket.socket, within_s: float) -> bool:
+    """True if the server closes ``sock`` within ``within_s`` seconds."""
+    sock.settimeout(within_s)
+    try:
+        return sock.recv(1) == b""
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        return True
+
+
+@contextmanager
+def idle_connections(port: int, count: int) -> Iterator[list[socket.socket]]:
+    with ExitStack() as stack:
+        socks = []
+        for _ in range(count):
+            socks.append(stack.enter_context(socket.create_connection(("127.0.0.1", port))))
+        yield socks
+
+
+def scrape(port: int) -> str:
+    with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=WAIT_S) as r:
+        return r.read().decode()
+
+
+def test_idle_connections_are_capped_then_timed_out_and_scrapes_resume() -> None:
+    registry = CollectorRegistry()
+    Counter("probe_total", "a metric to find", registry=registry).inc()
+    port = free_port()
+    server = serve_metrics(port, "127.0.0.1", registry, max_connections=4, timeout_s=0.5)
+    try:
+        threads_before = threading.active_count()
+        with idle_connections(port, 10) as socks:
+            time.sleep(0.2)  # every connection accepted (or refused) by now
+            assert threading.active_count() <= threads_before + 4
+            refused = [s for s in socks if closed_by_server(s, 0.05)]
+            assert len(refused) == 6  # past the cap: closed as accepted
+            kept = [s for s in socks if s not in refused]
+            assert all(closed_by_server(s, WAIT_S) for s in kept)  # silent: timed out
+        assert "probe_total 1.0" in scrape(port)
+        time.sleep(0.1)
+        assert threading.active_count() <= threads_before
+    finally:
+        server.shutdown()
+        server.server_close()
+
+
+def test_idle_metrics_connections_do_not_take_ext_procs_descriptors(tmp_path: Path) -> None:
+    grpc_port, metrics_port = free_port(), free_port()
+    proc = start_ext_proc(
+        grpc_port,
+        tmp_path,
+        args=["--backend", "127.0.0.1:9", "--metrics-port", str(metrics_port)],
+    )
+    try:
+        assert "prefix_router_ext_proc" in scrape(metrics_port)
+        fds_before = len(os.listdir(f"/proc/{proc.pid}/fd"))
+        with idle_connections(metrics_port, 200):
+            time.sleep(0.5)
+            assert len(os.listdir(f"/proc/{proc.pid}/fd")) <= fds_before + 8
+    finally:
+        proc.stop()
