@@ -61,9 +61,6 @@ log = logging.getLogger("prefix_router.control_plane")
 TOKEN_ENV = "PREFIX_ROUTER_ADMIN_TOKEN"
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
-ADMIN_MAX_CONCURRENCY = 64
-"""Connections and requests the admin API serves at once; uvicorn answers 503 past it,
-so a peer holding connections open cannot take every socket of the process."""
 
 
 @dataclass(frozen=True, slots=True, kw_only=True)
@@ -197,7 +194,6 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
             log_level="warning",
             log_config=None,
             lifespan="off",
-            limit_concurrency=ADMIN_MAX_CONCURRENCY,
         )
     )
     metrics_server = (
@@ -211,8 +207,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
                 log_level="warning",
                 log_config=None,
                 lifespan="off",
-                limit_concurrency=ADMIN_MAX_CONCURRENCY,
-            )
+                )
         )
     )
     prober = HealthProber(store)
