@@ -207,7 +207,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
                 log_level="warning",
                 log_config=None,
                 lifespan="off",
-                )
+            )
         )
     )
     prober = HealthProber(store)
