@@ -101,6 +101,12 @@ class PrometheusCallbacks(RouterCallbacks):
             ["limit"],
             registry=self.registry,
         )
+        self.metrics_refused = Counter(
+            "prefix_router_ext_proc_metrics_connections_refused",
+            "Connections to this metrics port closed at once because its connection limit "
+            "was reached (ext_proc/metrics_server.py).",
+            registry=self.registry,
+        )
         self.http2_connections = Gauge(
             "prefix_router_ext_proc_http2_connections",
             "HTTP/2 connections open on this process's gRPC server.",

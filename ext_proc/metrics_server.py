@@ -8,7 +8,8 @@ can reach the metrics port could starve the router. This server is the same stan
 library pieces (``wsgiref`` serving prometheus_client's WSGI app, a thread a connection)
 with two bounds:
 
-* at most ``max_connections`` connections at once; one more is closed as it is accepted;
+* at most ``max_connections`` connections at once; one more is closed as it is accepted
+  (counted by ``on_refused``, logged at most once a minute);
 * a connection that sends nothing for ``timeout_s`` is closed.
 
 A scrape takes a few milliseconds, so the defaults (8 connections, 5 s) refuse nothing a
@@ -20,6 +21,8 @@ from __future__ import annotations
 import logging
 import socket
 import threading
+import time
+from collections.abc import Callable
 from socketserver import ThreadingMixIn
 from typing import Any
 from wsgiref.simple_server import WSGIRequestHandler, WSGIServer, make_server
@@ -32,6 +35,8 @@ MAX_CONNECTIONS = 8
 """Metrics connections served at once."""
 TIMEOUT_S = 5.0
 """Seconds a metrics connection may stay silent."""
+LOG_INTERVAL_S = 60.0
+"""Refused connections are logged at most this often."""
 
 
 class _Handler(WSGIRequestHandler):
@@ -43,11 +48,15 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     request_queue_size = 128  # the listen backlog (5 by default): a burst is closed, not stalled
     slots: threading.BoundedSemaphore
+    max_connections: int
     timeout_s: float
+    on_refused: Callable[[], None] | None
+    logged_at: float = -LOG_INTERVAL_S
 
     def process_request(self, request: Any, client_address: Any) -> None:
         if not self.slots.acquire(blocking=False):
             self.shutdown_request(request)  # full: close it at once
+            self._refused(client_address)
             return
         try:
             request.settimeout(self.timeout_s)
@@ -62,6 +71,19 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
         finally:
             self.slots.release()
 
+    def _refused(self, client_address: Any) -> None:
+        if self.on_refused is not None:
+            self.on_refused()
+        now = time.monotonic()
+        if now - self.logged_at >= LOG_INTERVAL_S:
+            self.logged_at = now
+            log.warning(
+                "metrics port full (%d connections): closed one from %s "
+                "(logged at most once a minute)",
+                self.max_connections,
+                client_address[0],
+            )
+
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A peer that went silent (socket.timeout) or away: nothing to report.
         log.debug("metrics connection from %s ended with an error", client_address, exc_info=True)
@@ -74,9 +96,11 @@ def serve_metrics(
     *,
     max_connections: int = MAX_CONNECTIONS,
     timeout_s: float = TIMEOUT_S,
+    on_refused: Callable[[], None] | None = None,
 ) -> WSGIServer:
     """Serve ``registry`` on ``host:port`` (``GET /metrics``, any path) from a daemon
-    thread; ``shutdown()`` and ``server_close()`` stop it."""
+    thread; ``shutdown()`` and ``server_close()`` stop it. ``on_refused`` is called (from
+    that thread) for each connection closed because ``max_connections`` were open."""
     family = socket.getaddrinfo(host, port, type=socket.SOCK_STREAM)[0][0]
     server_class = type("MetricsServer", (_BoundedServer,), {"address_family": family})
     server: WSGIServer = make_server(
@@ -84,6 +108,8 @@ def serve_metrics(
     )
     assert isinstance(server, _BoundedServer)
     server.slots = threading.BoundedSemaphore(max_connections)
+    server.max_connections = max_connections
     server.timeout_s = timeout_s
+    server.on_refused = on_refused
     threading.Thread(target=server.serve_forever, name="metrics", daemon=True).start()
     return server

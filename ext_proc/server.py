@@ -187,7 +187,12 @@ def main(argv: Sequence[str] | None = None) -> int:
         store = await _routing_store(args.redis_url, args.namespace, config, args.clock_scale)
         callbacks = PrometheusCallbacks()
         if args.metrics_port:
-            serve_metrics(args.metrics_port, args.metrics_host or args.host, callbacks.registry)
+            serve_metrics(
+                args.metrics_port,
+                args.metrics_host or args.host,
+                callbacks.registry,
+                on_refused=callbacks.metrics_refused.inc,
+            )
         router = RequestRouter(
             RoutingTable.build(fleet, config), store, callbacks, clock_scale=args.clock_scale
         )

@@ -14,7 +14,7 @@ from collections.abc import Iterator
 from contextlib import ExitStack, contextmanager
 from pathlib import Path
 
-from prometheus_client import CollectorRegistry, Counter
+from prometheus_client import CollectorRegistry, Counter, generate_latest
 
 from ext_proc.metrics_server import serve_metrics
 from prefix_router.ops.launch import start_ext_proc
@@ -43,6 +43,10 @@ def idle_connections(port: int, count: int) -> Iterator[list[socket.socket]]:
         yield socks
 
 
+def scrape_text(registry: CollectorRegistry) -> str:
+    return generate_latest(registry).decode()
+
+
 def scrape(port: int) -> str:
     with urllib.request.urlopen(f"http://127.0.0.1:{port}/metrics", timeout=WAIT_S) as r:
         return r.read().decode()
@@ -52,15 +56,19 @@ def test_idle_connections_are_capped_then_timed_out_and_scrapes_resume() -> None
     registry = CollectorRegistry()
     Counter("probe_total", "a metric to find", registry=registry).inc()
     port = free_port()
-    server = serve_metrics(port, "127.0.0.1", registry, max_connections=4, timeout_s=0.5)
+    refused = Counter("refused_total", "connections refused", registry=registry)
+    server = serve_metrics(
+        port, "127.0.0.1", registry, max_connections=4, timeout_s=0.5, on_refused=refused.inc
+    )
     try:
         threads_before = threading.active_count()
         with idle_connections(port, 10) as socks:
             time.sleep(0.2)  # every connection accepted (or refused) by now
             assert threading.active_count() <= threads_before + 4
-            refused = [s for s in socks if closed_by_server(s, 0.05)]
-            assert len(refused) == 6  # past the cap: closed as accepted
-            kept = [s for s in socks if s not in refused]
+            closed = [s for s in socks if closed_by_server(s, 0.05)]
+            assert len(closed) == 6  # past the cap: closed as accepted, and counted
+            assert "refused_total 6.0" in scrape_text(registry)
+            kept = [s for s in socks if s not in closed]
             assert all(closed_by_server(s, WAIT_S) for s in kept)  # silent: timed out
         assert "probe_total 1.0" in scrape(port)
         time.sleep(0.1)
@@ -83,5 +91,8 @@ def test_idle_metrics_connections_do_not_take_ext_procs_descriptors(tmp_path: Pa
         with idle_connections(metrics_port, 200):
             time.sleep(0.5)
             assert len(os.listdir(f"/proc/{proc.pid}/fd")) <= fds_before + 8
+        time.sleep(5.5)  # the 8 it kept time out
+        refused = "prefix_router_ext_proc_metrics_connections_refused_total 192.0"
+        assert refused in scrape(metrics_port)
     finally:
         proc.stop()
