@@ -27,7 +27,11 @@ resource names). The protocol, as Envoy speaks it:
 
 Each stream is one task reading requests into a queue; the handler loop takes
 requests and "snapshot changed" events from that queue in order, so the
-per-stream state is touched by one coroutine only.
+per-stream state is touched by one coroutine only. The reader stays at most
+:data:`REQUESTS_AHEAD` requests ahead of the handler, and a "changed" event waits
+there at most once (the handler answers with the latest snapshot anyway): a peer
+that sends requests without reading the answers is held back by gRPC's flow
+control instead of growing the queue.
 """
 
 from __future__ import annotations
@@ -50,6 +54,8 @@ log = logging.getLogger("prefix_router.control_plane.xds")
 
 _CHANGED = object()
 _END = object()
+REQUESTS_AHEAD = 8
+"""Requests a stream reads before its handler has taken them."""
 
 
 @dataclass(slots=True)
@@ -76,22 +82,33 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
     ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
         stream_id = next(self._stream_ids)
         events: asyncio.Queue[object] = asyncio.Queue()
-        reader = asyncio.create_task(_read_requests(request_iterator, events))
+        ahead = asyncio.Semaphore(REQUESTS_AHEAD)
+        reader = asyncio.create_task(_read_requests(request_iterator, events, ahead))
         node: base_pb2.Node | None = None
         cancel_watch = None
         subs: dict[str, _Subscription] = {}
+        change_queued = False
+
+        def changed() -> None:
+            nonlocal change_queued
+            if not change_queued:
+                change_queued = True
+                events.put_nowait(_CHANGED)
+
         try:
             while True:
                 event = await events.get()
                 if event is _END:
                     return
                 if event is _CHANGED:
+                    change_queued = False
                     assert node is not None
                     response = self._next_in_order(stream_id, node, subs)
                     if response is not None:
                         yield response
                     continue
                 assert isinstance(event, discovery_pb2.DiscoveryRequest)
+                ahead.release()
                 if node is None:
                     if not event.HasField("node") or not event.node.id:
                         log.warning("xDS stream %d: first request has no node id", stream_id)
@@ -99,7 +116,7 @@ class AdsServer(ads_pb2_grpc.AggregatedDiscoveryServiceServicer):  # type: ignor
                     node = base_pb2.Node()
                     node.CopyFrom(event.node)
                     self.callbacks.on_stream_open(stream_id, node)
-                    cancel_watch = self.watcher.subscribe(node, lambda: events.put_nowait(_CHANGED))
+                    cancel_watch = self.watcher.subscribe(node, changed)
                 response = self._on_request(stream_id, node, event, subs)
                 if response is not None:
                     yield response
@@ -196,10 +213,15 @@ def _before(type_url: str) -> tuple[str, ...]:
 
 
 async def _read_requests(
-    requests: AsyncIterator[discovery_pb2.DiscoveryRequest], events: asyncio.Queue[object]
+    requests: AsyncIterator[discovery_pb2.DiscoveryRequest],
+    events: asyncio.Queue[object],
+    ahead: asyncio.Semaphore,
 ) -> None:
+    """Queue the stream's requests, no more than ``ahead`` allows before the handler
+    takes them (:data:`REQUESTS_AHEAD`)."""
     try:
         async for request in requests:
+            await ahead.acquire()
             events.put_nowait(request)
     except asyncio.CancelledError:
         raise

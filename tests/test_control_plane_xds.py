@@ -366,3 +366,61 @@ async def test_a_stream_without_a_node_id_is_closed(xds: XdsFixture) -> None:
     envoy.send(CLUSTER_TYPE)
     assert await envoy.recv() is grpc.aio.EOF
     await envoy.close()
+
+
+class _CountingAds(AdsServer):  # type: ignore[misc]
+    """The ADS server, counting the requests it reads from its peers."""
+
+    read = 0
+
+    async def StreamAggregatedResources(  # noqa: N802 - the gRPC method name
+        self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], context: Any
+    ) -> AsyncIterator[discovery_pb2.DiscoveryResponse]:
+        async def counted() -> AsyncIterator[discovery_pb2.DiscoveryRequest]:
+            async for request in request_iterator:
+                _CountingAds.read += 1
+                yield request
+
+        async for response in super().StreamAggregatedResources(counted(), context):
+            yield response
+
+
+async def test_a_peer_that_reads_no_answers_is_held_back_not_buffered() -> None:
+    """A peer that keeps asking for endpoints (~80 KB an answer) and reads none of the
+    answers: once they fill its window the stream's handler waits, and the server reads
+    at most REQUESTS_AHEAD (+1) requests more; gRPC's flow control holds the peer back.
+    Without that bound the server read every request into memory."""
+    cache = SnapshotCache()
+    fleet = [Instance(f"10.1.{i // 250}.{i % 250}", 8000) for i in range(2000)]
+    cache.set_snapshot(ALL_NODES, snap(1, *fleet))
+    server = grpc.aio.server()
+    ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(_CountingAds(cache), server)
+    port = free_port()
+    server.add_insecure_port(f"127.0.0.1:{port}")
+    await server.start()
+    _CountingAds.read = 0
+    requests: asyncio.Queue[discovery_pb2.DiscoveryRequest] = asyncio.Queue()
+    for i in range(2000):
+        request = discovery_pb2.DiscoveryRequest(
+            type_url=ENDPOINT_TYPE, resource_names=["models"] + [f"pad-{i}-{j}" for j in range(400)]
+        )
+        if i == 0:
+            request.node.CopyFrom(base_pb2.Node(id="greedy", cluster="test"))
+        requests.put_nowait(request)
+
+    async def send() -> AsyncIterator[discovery_pb2.DiscoveryRequest]:
+        while not requests.empty():
+            yield requests.get_nowait()
+
+    channel = grpc.aio.insecure_channel(f"127.0.0.1:{port}")
+    call = ads_pb2_grpc.AggregatedDiscoveryServiceStub(channel).StreamAggregatedResources(send())
+    try:
+        first = await asyncio.wait_for(call.read(), 5)  # one answer read, then no more
+        assert len(first.SerializeToString()) > 50_000
+        await asyncio.sleep(2.0)  # the peer keeps sending meanwhile
+        print("server read", _CountingAds.read)
+        assert _CountingAds.read < 500
+    finally:
+        call.cancel()
+        await channel.close()
+        await server.stop(grace=None)
