@@ -9,10 +9,20 @@ import sys
 import time
 from collections.abc import Iterator
 from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 
-from prefix_router.ops.procs import ExitStatus, ManagedProcess, group_members, port_is_free
+from prefix_router.ops import procs
+from prefix_router.ops.procs import (
+    LOWEST_PORT,
+    ExitStatus,
+    ManagedProcess,
+    free_port,
+    group_members,
+    port_is_free,
+    unassigned_ports,
+)
 
 
 def _time_wait_port() -> int:
@@ -47,6 +57,45 @@ def test_a_port_someone_listens_on_is_taken(reuse_port: bool) -> None:
         listener.bind(("127.0.0.1", 0))
         listener.listen()
         assert not port_is_free(listener.getsockname()[1])
+
+
+@pytest.mark.parametrize(
+    ("text", "expected"),
+    [
+        ("32768\t60999\n", range(LOWEST_PORT, 32768)),
+        ("49152 65535", range(LOWEST_PORT, 49152)),
+        ("1024 65535", range(0)),  # the whole range is ephemeral: the kernel picks
+        ("", range(LOWEST_PORT, 32768)),  # unreadable: Linux's default
+        ("not numbers", range(LOWEST_PORT, 32768)),
+    ],
+)
+def test_ports_handed_out_lie_below_the_ephemeral_range(
+    tmp_path: Path, text: str, expected: range
+) -> None:
+    (tmp_path / "range").write_text(text)
+    assert unassigned_ports(tmp_path / "range") == expected
+    assert unassigned_ports(tmp_path / "missing") == range(LOWEST_PORT, 32768)
+
+
+def test_free_ports_are_free_distinct_and_never_a_connections_local_port() -> None:
+    ports = [free_port() for _ in range(200)]
+    assert len(set(ports)) == len(ports)
+    assert all(p in unassigned_ports() for p in ports)
+    assert all(port_is_free(p) for p in ports[:20])
+
+
+def test_a_port_in_use_or_handed_out_lately_is_passed_over(monkeypatch: pytest.MonkeyPatch) -> None:
+    handed_out = free_port()
+    with socket.socket() as listener, socket.socket() as probe:
+        probe.bind(("127.0.0.1", 0))  # any port the kernel says is free, for the third pick
+        spare = probe.getsockname()[1]
+        probe.close()
+        listener.bind(("127.0.0.1", 0))
+        listener.listen()
+        in_use = listener.getsockname()[1]
+        picks = iter([in_use, handed_out, spare])
+        monkeypatch.setattr(procs, "_pick", SimpleNamespace(choice=lambda _: next(picks)))
+        assert free_port() == spare
 
 
 @pytest.mark.parametrize(

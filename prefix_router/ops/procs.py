@@ -15,6 +15,7 @@ from __future__ import annotations
 
 import contextlib
 import os
+import random
 import signal
 import socket
 import subprocess
@@ -30,12 +31,39 @@ from prefix_router.core.errors import StartupError
 _handed_out: deque[int] = deque(maxlen=512)
 
 
+_LOCAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
+LOWEST_PORT = 10_000
+"""The lowest port :func:`free_port` hands out."""
+_pick = random.Random()  # our own, so a test's random.seed() cannot make two processes agree
+
+
+def unassigned_ports(range_file: Path = _LOCAL_PORT_RANGE) -> range:
+    """Ports the kernel never gives a connection as its local port: from
+    :data:`LOWEST_PORT` to just below its ephemeral range (``ip_local_port_range``, 32768
+    where unreadable). Empty when that range starts lower."""
+    try:
+        low = int(range_file.read_text().split()[0])
+    except (OSError, ValueError, IndexError):
+        low = 32768
+    return range(LOWEST_PORT, low)
+
+
 def free_port(host: str = "127.0.0.1") -> int:
-    """A TCP port nobody listens on right now, and not one this process handed out lately:
-    the kernel may offer a port again before the caller it went to has bound it."""
-    for _ in range(64):
+    """A TCP port nobody uses right now, and not one this process handed out lately.
+
+    It comes from :func:`unassigned_ports`, at random, never from the kernel's ephemeral
+    range: a port the kernel picked for us there could be taken, before the caller binds
+    it, as the local port of any process's outgoing connection (Envoy then failed to
+    start on a port the test suite had picked: "cannot bind ...: Address already in
+    use"). Only when that range is empty does the kernel pick."""
+    candidates = unassigned_ports()
+    for _ in range(256):
+        port = _pick.choice(candidates) if candidates else 0
         with socket.socket(socket.AF_INET, socket.SOCK_STREAM) as s:
-            s.bind((host, 0))
+            try:
+                s.bind((host, port))
+            except OSError:
+                continue  # in use
             port = int(s.getsockname()[1])
         if port not in _handed_out:
             _handed_out.append(port)
