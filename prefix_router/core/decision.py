@@ -69,7 +69,7 @@ from prefix_router.core.index import (
     record,
 )
 from prefix_router.core.key import BYTES_PER_TOKEN, PrefixKey
-from prefix_router.core.work import MAX_WAITING_TRACKED
+from prefix_router.core.work import MAX_WAITING_TRACKED, Load
 
 
 class Outcome(StrEnum):
@@ -134,12 +134,6 @@ def block_bytes(config: RouterConfig) -> int:
     if config.prefix_match is PrefixMatch.FIXED:
         return config.prefix_length
     return config.index.block_bytes
-
-
-Load = tuple[float, int, int, float]
-"""One instance's load as a decision weighs it: ``(backlog_s, waiting, in_flight,
-prefill_tokens_per_s)``: its queued prefill in seconds, the requests waiting for their
-first token, the requests in flight, and its prefill rate."""
 
 
 class FleetView(Protocol):
@@ -217,17 +211,15 @@ def choose(
         if candidates[0].cached_tokens > min(c.cached_tokens for c in candidates):
             return 0  # the deepest holder
         return min(range(len(candidates)), key=lambda i: candidates[i].backlog_s)
-    least = max(0, prompt_tokens - max(c.cached_tokens for c in candidates))
+    least = max(0, prompt_tokens - max([c.cached_tokens for c in candidates]))
     extra = rule.miss_weight - 1.0
     limit = rule.waiting_limit
     best, best_key, best_rank = 0, (0.0, 0), 3
-    for i, c in enumerate(candidates):
+    for i, (_, cached, backlog_s, waiting, in_flight, rate) in enumerate(candidates):
         # rank 0: allowed; 1: over the in-flight bound; 2: over the threshold too
-        rank = 0 if c.in_flight < bound else 1
-        if c.waiting >= limit:
-            rank = 2
-        own = max(0, prompt_tokens - c.cached_tokens)
-        key = (c.backlog_s + (own + extra * (own - least)) / c.rate, c.in_flight)
+        rank = 2 if waiting >= limit else 0 if in_flight < bound else 1
+        own = prompt_tokens - cached if prompt_tokens > cached else 0
+        key = (backlog_s + (own + extra * (own - least)) / rate, in_flight)
         if rank < best_rank or (rank == best_rank and key < best_key):
             best, best_key, best_rank = i, key, rank
     return best
@@ -281,8 +273,9 @@ def decide(
     else:
         total = sum(view.load(i)[2] for i in members)
         bound = in_flight_bound(rule, total, len(members))
+    limit = rule.waiting_limit
     if rule.policy is not SpillPolicyName.NONE and not any(
-        c.in_flight < bound and c.waiting < rule.waiting_limit for c in candidates
+        [c.in_flight < bound and c.waiting < limit for c in candidates]
     ):
         candidates += [Candidate(i, common, *view.load(i)) for i in overflow() if i not in cached]
     chosen = candidates[choose(candidates, key.prompt_tokens, rule, bound)]

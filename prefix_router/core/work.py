@@ -33,6 +33,11 @@ from collections.abc import Hashable, Mapping
 from dataclasses import dataclass
 from typing import NamedTuple
 
+Load = tuple[float, int, int, float]
+"""One instance's load as a decision weighs it: ``(backlog_s, waiting, in_flight,
+prefill_tokens_per_s)``: its queued prefill in seconds, the requests waiting for their
+first token, the requests in flight, and its prefill rate."""
+
 MAX_WAITING_TRACKED = 256
 """Prefill ends kept per instance when ConcurrencyThreshold is off (the default): more
 waiting requests read as this many (the fleet view shows them). With a threshold set, the
@@ -58,6 +63,20 @@ class InstanceModel:
         """Requests waiting for their first token: the router's count, or the instance's
         own if it says more."""
         return max(work.waiting(now), self.waiting)
+
+    def load(self, work: InstanceWork, now: float, in_flight: int) -> Load:
+        """The instance's :data:`Load` at ``now`` with ``work`` queued and ``in_flight``
+        requests: :meth:`InstanceWork.backlog_s`, :meth:`waiting_with`, ``in_flight`` and
+        the rate, computed in one call (a decision asks for every candidate's: the
+        per-request path)."""
+        busy, ends = work.busy_until, work.ends
+        waiting = len(ends) - bisect_right(ends, now) if ends else 0
+        return (
+            busy - now if busy > now else 0.0,
+            waiting if waiting > self.waiting else self.waiting,
+            in_flight,
+            self.prefill_tokens_per_s,
+        )
 
 
 MEASURED_WAITING_MAX_AGE_S = 10.0

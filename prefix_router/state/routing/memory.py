@@ -12,11 +12,10 @@ import time
 from collections import defaultdict
 from collections.abc import Callable
 
-from prefix_router.core.decision import Load
 from prefix_router.core.index import CacheModel, InProcessIndex
 from prefix_router.core.key import PrefixKey
 from prefix_router.core.table import RoutingTable
-from prefix_router.core.work import InstanceModel, InstanceWork, admit, finished
+from prefix_router.core.work import InstanceModel, InstanceWork, Load, admit, finished
 from prefix_router.state.routing.base import Routed
 
 _IDLE = InstanceWork()
@@ -117,15 +116,9 @@ class _View:
         return self._store._models.get(self._table.ids[instance], self._table.default_model)
 
     def load(self, instance: int) -> Load:
-        store, name, now = self._store, self._table.ids[instance], self.now
-        work = store._work.get(name, _IDLE)
+        store, name = self._store, self._table.ids[instance]
         model = store._models.get(name, self._table.default_model)
-        return (
-            work.backlog_s(now),
-            model.waiting_with(work, now),
-            store._in_flight.get(name, 0),
-            model.prefill_tokens_per_s,
-        )
+        return model.load(store._work.get(name, _IDLE), self.now, store._in_flight.get(name, 0))
 
     def total_in_flight(self) -> int:
         return self._store._total

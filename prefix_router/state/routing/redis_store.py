@@ -73,7 +73,7 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from prefix_router.core.decision import Decision, Load, Outcome
+from prefix_router.core.decision import Decision, Outcome
 from prefix_router.core.index import (
     ENTRY_BYTES,
     SLOT_BYTES,
@@ -83,7 +83,14 @@ from prefix_router.core.index import (
 )
 from prefix_router.core.key import PrefixKey
 from prefix_router.core.table import RoutingTable
-from prefix_router.core.work import InstanceModel, InstanceWork, admit, finished, model_of_text
+from prefix_router.core.work import (
+    InstanceModel,
+    InstanceWork,
+    Load,
+    admit,
+    finished,
+    model_of_text,
+)
 from prefix_router.state.routing.base import Routed, StateUnavailable
 from prefix_router.state.routing.redis_lua import (
     LOG_RECORD,
@@ -698,13 +705,7 @@ class _BatchView:
         return self.models[instance]
 
     def load(self, instance: int) -> Load:
-        work, now = self._work(instance), self.now
-        return (
-            work.backlog_s(now),
-            self.models[instance].waiting_with(work, now),
-            self._in_flight[instance],
-            self.models[instance].prefill_tokens_per_s,
-        )
+        return self.models[instance].load(self._work(instance), self.now, self._in_flight[instance])
 
     def total_in_flight(self) -> int:
         return self._total
