@@ -31,7 +31,6 @@ from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
-import grpc
 import uvicorn
 import yaml
 from envoy.service.discovery.v3 import ads_pb2_grpc
@@ -48,6 +47,7 @@ from control_plane.models import ModelDiscovery
 from control_plane.publisher import Publisher, keep_names_resolved
 from control_plane.restore import StateKeeper
 from control_plane.service import AdminService
+from control_plane.xds_limits import XdsLimits, xds_grpc_server
 from prefix_router.core.config import RouterConfig, load_config_file, parse_config
 from prefix_router.core.errors import ConfigError, FleetError, StartupError
 from prefix_router.core.fleet import Fleet, Instance
@@ -91,6 +91,8 @@ class Settings:
     clock_scale: float = 1.0
     """The instances' seconds per wall second (a simulated fleet's time scale): the fleet
     view's windows, and so the prefill rates it learns, are in the instances' seconds."""
+    xds_limits: XdsLimits = XdsLimits()
+    """Limits on every peer of the xDS port (control_plane/xds_limits.py)."""
 
 
 def load_fleet_file(path: str) -> tuple[Fleet, RouterConfig | None]:
@@ -177,7 +179,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         view=view,
     )
 
-    grpc_server = grpc.aio.server(options=[("grpc.so_reuseport", 0)])
+    grpc_server = xds_grpc_server(settings.xds_limits)
     ads_pb2_grpc.add_AggregatedDiscoveryServiceServicer_to_server(
         AdsServer(cache, clients), grpc_server
     )
@@ -332,12 +334,54 @@ def _parser() -> argparse.ArgumentParser:
         help="seconds between two rounds of model discovery",
     )
     p.add_argument("--clock-scale", type=parse_clock_scale, default=1.0, help=CLOCK_SCALE_HELP)
+    limits = XdsLimits()
+    p.add_argument(
+        "--xds-max-connections",
+        type=int,
+        default=limits.max_connections,
+        help="connections the xDS port holds at once; one more is closed as it is accepted",
+    )
+    p.add_argument(
+        "--xds-max-streams",
+        type=int,
+        default=limits.max_streams_per_connection,
+        help="streams at once on one xDS connection (an Envoy uses one)",
+    )
+    p.add_argument(
+        "--xds-max-calls",
+        type=int,
+        default=limits.max_calls,
+        help="calls at once on the xDS port; one more is refused (RESOURCE_EXHAUSTED)",
+    )
+    p.add_argument(
+        "--xds-handshake-timeout",
+        type=float,
+        default=limits.handshake_timeout_s,
+        help="seconds a new xDS connection has to finish HTTP/2's handshake",
+    )
+    p.add_argument(
+        "--xds-idle-timeout",
+        type=float,
+        default=limits.idle_timeout_s,
+        help="seconds an xDS connection with no call open is kept",
+    )
     p.add_argument("--log-level", default="INFO")
     return p
 
 
 def main(argv: Sequence[str] | None = None) -> int:
-    args = _parser().parse_args(argv)
+    parser = _parser()
+    args = parser.parse_args(argv)
+    try:
+        xds_limits = XdsLimits(
+            max_connections=args.xds_max_connections,
+            max_streams_per_connection=args.xds_max_streams,
+            max_calls=args.xds_max_calls,
+            handshake_timeout_s=args.xds_handshake_timeout,
+            idle_timeout_s=args.xds_idle_timeout,
+        )
+    except ValueError as exc:
+        parser.error(str(exc))
     setup_logging("control_plane", args.log_level)
     fleet, config = load_fleet_file(args.fleet) if args.fleet else (None, None)
     if args.config:
@@ -363,6 +407,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_discovery=args.discover_models,
         model_discovery_interval_s=args.model_discovery_interval,
         clock_scale=args.clock_scale,
+        xds_limits=xds_limits,
     )
 
     async def main_async() -> None:
