@@ -33,6 +33,7 @@ class GrpcioExtProcServer:
                 ("grpc.max_concurrent_streams", limits.max_concurrent_streams),
                 ("grpc.max_connection_idle_ms", int(limits.idle_timeout * 1000)),
                 ("grpc.server_handshake_timeout_ms", int(limits.handshake_timeout * 1000)),
+                ("grpc.max_allowed_incoming_connections", limits.max_connections),
                 ("grpc.http2.max_frame_size", limits.max_frame_size),
                 ("grpc.max_metadata_size", limits.max_header_list_size),
                 ("grpc.http2.max_pings_without_data", 0),

@@ -7,6 +7,8 @@ and the health service following ``set_serving``.
 
 from __future__ import annotations
 
+import asyncio
+import socket
 from collections.abc import AsyncIterator
 
 import grpc
@@ -16,6 +18,7 @@ from envoy.service.ext_proc.v3 import external_processor_pb2 as pb
 from grpc_health.v1 import health_pb2, health_pb2_grpc
 
 from ext_proc.grpcio_server import GrpcioExtProcServer
+from ext_proc.http2.limits import PeerLimits
 from ext_proc.router import RequestRouter
 from ext_proc.server import ExtProcServer, Http2ExtProcServer
 from ext_proc.servicer import PROCESS_PATH, SERVICE_NAME, ExternalProcessor
@@ -85,3 +88,38 @@ async def test_health_follows_set_serving(served: tuple) -> None:
         for service in ("", SERVICE_NAME):
             answer = await health.Check(health_pb2.HealthCheckRequest(service=service))
             assert health_pb2.HealthCheckResponse.ServingStatus.Name(answer.status) == expected
+
+
+@pytest.mark.parametrize("transport", [Http2ExtProcServer, GrpcioExtProcServer])
+async def test_connections_past_the_cap_are_closed_at_once(transport: type) -> None:
+    """``--h2-max-connections`` holds on both transports (grpcio's own knob on its)."""
+    table = RoutingTable.build(Fleet.of([Instance("127.0.0.1", 8000)]), RouterConfig())
+    processor = ExternalProcessor(RequestRouter(table, InProcessStore()))
+    server: ExtProcServer = transport(processor, PeerLimits(max_connections=3))
+    port = free_port()
+    await server.start("127.0.0.1", port)
+    preface = b"PRI * HTTP/2.0\r\n\r\nSM\r\n\r\n" + b"\x00\x00\x00\x04\x00\x00\x00\x00\x00"
+
+    def closed_at_once() -> bool:
+        """Whether the server closes a new connection within a second (ours says GOAWAY
+        first, grpcio just closes it)."""
+        s = socket.create_connection(("127.0.0.1", port), timeout=1)
+        held.append(s)
+        s.sendall(preface)
+        try:
+            while s.recv(4096):
+                pass
+        except TimeoutError:
+            return False
+        except ConnectionResetError:
+            pass
+        return True
+
+    held: list[socket.socket] = []
+    try:
+        closed = [await asyncio.to_thread(closed_at_once) for _ in range(4)]
+    finally:
+        for s in held:
+            s.close()
+        await server.stop(grace=0.5)
+    assert closed == [False, False, False, True]
