@@ -43,6 +43,7 @@ from control_plane.callbacks import ClientRegistry
 from control_plane.drain import Drainer
 from control_plane.fleet_view import FleetView
 from control_plane.health import HealthProber
+from control_plane.http_server import server_config
 from control_plane.models import ModelDiscovery
 from control_plane.publisher import Publisher, keep_names_resolved
 from control_plane.restore import StateKeeper
@@ -189,27 +190,15 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         raise StartupError(f"cannot bind xDS on {settings.xds_host}:{settings.xds_port}")
 
     admin = _EmbeddedUvicorn(
-        uvicorn.Config(
-            create_app(service, token=settings.token),
-            host=settings.admin_host,
-            port=settings.admin_port,
-            log_level="warning",
-            log_config=None,
-            lifespan="off",
+        server_config(
+            create_app(service, token=settings.token), settings.admin_host, settings.admin_port
         )
     )
     metrics_server = (
         None
         if settings.metrics_port is None
         else _EmbeddedUvicorn(
-            uvicorn.Config(
-                create_metrics_app(service),
-                host=settings.admin_host,
-                port=settings.metrics_port,
-                log_level="warning",
-                log_config=None,
-                lifespan="off",
-            )
+            server_config(create_metrics_app(service), settings.admin_host, settings.metrics_port)
         )
     )
     prober = HealthProber(store)

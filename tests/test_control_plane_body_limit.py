@@ -14,6 +14,7 @@ import uvicorn
 
 from control_plane.admin import create_app
 from control_plane.body_limit import MAX_BODY_BYTES, BodyLimit
+from control_plane.http_server import server_config
 from control_plane.service import AdminService
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
@@ -35,9 +36,7 @@ async def serving(read_timeout_s: float | None = None) -> AsyncIterator[int]:
                 if middleware.cls is BodyLimit:
                     middleware.kwargs["read_timeout_s"] = read_timeout_s
         port = free_port()
-        server = uvicorn.Server(
-            uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning", lifespan="off")
-        )
+        server = uvicorn.Server(server_config(app, "127.0.0.1", port))  # the control plane's
         task = asyncio.create_task(server.serve())
         try:
             while not server.started:
