@@ -15,7 +15,7 @@ $(STAMP): pyproject.toml
 	touch $(STAMP)
 
 run: $(STAMP)
-	$(BIN)/prefix-router up $(ARGS)
+	$(BIN)/prefix-router up --exit-with-parent true $(ARGS)
 
 test: $(STAMP)
 	scripts/ensure-test-services

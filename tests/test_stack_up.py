@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import os
 import re
+import signal
 import socket
 import sys
 import uuid
@@ -131,6 +132,26 @@ def test_up_serves_stops_cleanly_and_starts_again_at_once(tmp_path: Path) -> Non
             assert chat(client, ports["port"]).status_code == 200
         assert again.terminate() == 0
         assert again.leftovers() == []
+
+
+def test_up_stops_everything_when_the_process_that_started_it_exits(tmp_path: Path) -> None:
+    """``--exit-with-parent`` (what ``make run`` passes): the parent killed outright, as a
+    SIGTERM to make alone leaves its child, and up stops its stack and exits."""
+    ports = {name: free_port() for name in ("port", "admin-port", "envoy-admin-port", "xds-port")}
+    args = ["--run-dir", str(tmp_path / "run"), "--instances", "1", "--ext-procs", "1"]
+    args += ["--exit-with-parent", "true"]
+    for name, port in ports.items():
+        args += [f"--{name}", str(port)]
+    parent = UpProcess(args, tmp_path / "up.out")
+    parent.argv = ["sh", "-c", '"$@" & wait', "sh", *parent.argv]  # up as sh's child
+    with parent:
+        parent.wait_up()
+        assert len(parent.track()) >= 6  # sh, up, sim, control plane, ext_proc, envoy
+        os.kill(parent.pid, signal.SIGKILL)
+        assert parent.popen is not None
+        parent.popen.wait(timeout=10)
+        wait_until(lambda: parent.leftovers() == [], 30, "up and its stack to stop")
+        assert f"parent {parent.pid} exited: stopping" in parent.output(), parent.output()
 
 
 def test_a_taken_port_is_a_one_line_error(tmp_path: Path) -> None:

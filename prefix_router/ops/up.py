@@ -104,6 +104,11 @@ class UpSettings(BaseModel):
     namespace: str = Field("prefix-router-local:", description="Redis key prefix; cleared at start")
     admin_token: str | None = Field(None, description="admin API bearer token")
     run_dir: str = Field("run", description="logs, rendered configs, the lock")
+    exit_with_parent: bool = Field(
+        False,
+        description="stop everything when the process that started up exits (make run sets "
+        "it: a SIGTERM to make alone would leave the stack running)",
+    )
 
     @property
     def instance_clock_scale(self) -> float:
@@ -576,6 +581,15 @@ def supervise(
             publisher.close()
 
 
+def stop_when_orphaned(parent: int, stop: threading.Event, poll_s: float = 0.5) -> None:
+    """Set ``stop`` once this process's parent is no longer ``parent`` (it exited and the
+    process was handed to another): what ``--exit-with-parent`` watches."""
+    while not stop.wait(poll_s):
+        if os.getppid() != parent:
+            print(f"parent {parent} exited: stopping", file=sys.stderr, flush=True)
+            stop.set()
+
+
 def main(argv: Sequence[str] | None = None) -> int:
     settings, config = resolve_settings(list(argv or []))
     stop = threading.Event()
@@ -585,6 +599,10 @@ def main(argv: Sequence[str] | None = None) -> int:
 
     signal.signal(signal.SIGTERM, on_signal)
     signal.signal(signal.SIGINT, on_signal)
+    if settings.exit_with_parent:
+        threading.Thread(
+            target=stop_when_orphaned, args=(os.getppid(), stop), name="parent-watch", daemon=True
+        ).start()
     with run_lock(Path(settings.run_dir)):
         stack = Stack(settings, config)
         try:

@@ -130,7 +130,7 @@ class UpProcess:
             with contextlib.suppress(ProcessLookupError):
                 os.killpg(self.popen.pid, signal.SIGKILL)
             self.popen.wait(timeout=30)
-            kill_with_groups(self.leftovers())
+        kill_with_groups(self.leftovers())  # also when it had exited and left them running
 
     def __enter__(self) -> UpProcess:
         return self.start()
