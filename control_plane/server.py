@@ -268,6 +268,29 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         log.info("control plane stopped")
 
 
+XDS_LIMIT_FLAGS: dict[str, tuple[type, str]] = {
+    "max_connections": (
+        int,
+        "connections the xDS port holds at once; one more is closed as it is accepted",
+    ),
+    "max_streams_per_connection": (
+        int,
+        "streams at once on one xDS connection (an Envoy uses one)",
+    ),
+    "max_calls": (int, "calls at once on the xDS port; one more is refused (RESOURCE_EXHAUSTED)"),
+    "handshake_timeout_s": (float, "seconds a new xDS connection has to finish HTTP/2's handshake"),
+    "idle_timeout_s": (float, "seconds an xDS connection with no call open is kept"),
+}
+"""The fields of :class:`XdsLimits` that are flags (``--xds-...``), with their types and help."""
+
+
+def _xds_flag(field: str) -> str:
+    """``max_streams_per_connection`` -> ``--xds-max-streams``, ``handshake_timeout_s`` ->
+    ``--xds-handshake-timeout``."""
+    name = field.removesuffix("_s").removesuffix("_per_connection")
+    return "--xds-" + name.replace("_", "-")
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefix-router control-plane", description=__doc__)
     p.add_argument("--xds-host", default="127.0.0.1")
@@ -324,36 +347,8 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument("--clock-scale", type=parse_clock_scale, default=1.0, help=CLOCK_SCALE_HELP)
     limits = XdsLimits()
-    p.add_argument(
-        "--xds-max-connections",
-        type=int,
-        default=limits.max_connections,
-        help="connections the xDS port holds at once; one more is closed as it is accepted",
-    )
-    p.add_argument(
-        "--xds-max-streams",
-        type=int,
-        default=limits.max_streams_per_connection,
-        help="streams at once on one xDS connection (an Envoy uses one)",
-    )
-    p.add_argument(
-        "--xds-max-calls",
-        type=int,
-        default=limits.max_calls,
-        help="calls at once on the xDS port; one more is refused (RESOURCE_EXHAUSTED)",
-    )
-    p.add_argument(
-        "--xds-handshake-timeout",
-        type=float,
-        default=limits.handshake_timeout_s,
-        help="seconds a new xDS connection has to finish HTTP/2's handshake",
-    )
-    p.add_argument(
-        "--xds-idle-timeout",
-        type=float,
-        default=limits.idle_timeout_s,
-        help="seconds an xDS connection with no call open is kept",
-    )
+    for field, (kind, help_) in XDS_LIMIT_FLAGS.items():
+        p.add_argument(_xds_flag(field), type=kind, default=getattr(limits, field), help=help_)
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -363,14 +358,14 @@ def main(argv: Sequence[str] | None = None) -> int:
     args = parser.parse_args(argv)
     try:
         xds_limits = XdsLimits(
-            max_connections=args.xds_max_connections,
-            max_streams_per_connection=args.xds_max_streams,
-            max_calls=args.xds_max_calls,
-            handshake_timeout_s=args.xds_handshake_timeout,
-            idle_timeout_s=args.xds_idle_timeout,
+            **{
+                field: getattr(args, _xds_flag(field)[2:].replace("-", "_"))
+                for field in XDS_LIMIT_FLAGS
+            }
         )
-    except ValueError as exc:
-        parser.error(str(exc))
+    except ValueError as exc:  # named by its field: say the flag
+        field = next(f for f in XDS_LIMIT_FLAGS if str(exc).startswith(f))
+        parser.error(f"{_xds_flag(field)}{str(exc).removeprefix(field)}")
     setup_logging("control_plane", args.log_level)
     fleet, config = load_fleet_file(args.fleet) if args.fleet else (None, None)
     if args.config:

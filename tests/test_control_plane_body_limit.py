@@ -10,7 +10,6 @@ import json
 from collections.abc import AsyncIterator
 
 import pytest
-import uvicorn
 
 from control_plane.admin import create_app
 from control_plane.body_limit import MAX_BODY_BYTES, BodyLimit
@@ -20,6 +19,7 @@ from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.ops.procs import free_port
 from tests.support.redis_ns import fresh_store
+from tests.support.uvicorn_server import uvicorn_serving
 
 TOKEN = "s3cret"
 WAIT_S = 3.0
@@ -36,16 +36,8 @@ async def serving(read_timeout_s: float | None = None) -> AsyncIterator[int]:
                 if middleware.cls is BodyLimit:
                     middleware.kwargs["read_timeout_s"] = read_timeout_s
         port = free_port()
-        server = uvicorn.Server(server_config(app, "127.0.0.1", port))  # the control plane's
-        task = asyncio.create_task(server.serve())
-        try:
-            while not server.started:
-                assert not task.done(), "uvicorn did not start"
-                await asyncio.sleep(0.01)
+        async with uvicorn_serving(server_config(app, "127.0.0.1", port)):
             yield port
-        finally:
-            server.should_exit = True
-            await asyncio.wait_for(task, 10)
 
 
 async def answer(reader: asyncio.StreamReader) -> tuple[int, dict[str, str], bytes]:

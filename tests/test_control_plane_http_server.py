@@ -9,11 +9,11 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-import uvicorn
 from starlette.types import Receive, Scope, Send
 
 from control_plane.http_server import HeadTimeoutH11Protocol, server_config
 from prefix_router.ops.procs import free_port
+from tests.support.uvicorn_server import uvicorn_serving
 
 HEAD_TIMEOUT_S = 0.5
 
@@ -35,16 +35,8 @@ async def serving(keep_alive_s: float = 5.0) -> AsyncIterator[int]:
     config = server_config(hello, "127.0.0.1", port)
     config.http = ShortDeadline
     config.timeout_keep_alive = keep_alive_s
-    server = uvicorn.Server(config)
-    task = asyncio.create_task(server.serve())
-    try:
-        while not server.started:
-            assert not task.done(), "uvicorn did not start"
-            await asyncio.sleep(0.01)
+    async with uvicorn_serving(config):
         yield port
-    finally:
-        server.should_exit = True
-        await asyncio.wait_for(task, 10)
 
 
 async def closed_after(reader: asyncio.StreamReader, limit_s: float = 5.0) -> float:

@@ -16,7 +16,7 @@ import grpc
 import pytest
 from grpc_health.v1 import health, health_pb2, health_pb2_grpc
 
-from control_plane.server import _parser
+from control_plane.server import _parser, main
 from control_plane.xds_limits import XdsLimits, xds_grpc_server
 from prefix_router.ops.procs import free_port
 
@@ -190,3 +190,14 @@ async def test_calls_past_the_process_limit_are_refused(port: int) -> None:
             call.cancel()
     # the calls reach the server in any order: any four of them are served
     assert sorted(outcomes) == ["RESOURCE_EXHAUSTED"] * 2 + ["served"] * 4, outcomes
+
+
+def test_a_bad_limit_flag_is_a_one_line_error_naming_the_flag(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    with pytest.raises(SystemExit) as exited:
+        main(["--xds-max-streams", "0"])
+    assert exited.value.code == 2
+    assert capsys.readouterr().err.strip().splitlines()[-1] == (
+        "prefix-router control-plane: error: --xds-max-streams must be at least 1, not 0"
+    )
