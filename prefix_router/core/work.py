@@ -66,14 +66,10 @@ class InstanceModel:
 
     def load(self, work: InstanceWork, now: float, in_flight: int) -> Load:
         """The instance's :data:`Load` at ``now`` with ``work`` queued and ``in_flight``
-        requests: :meth:`InstanceWork.backlog_s`, :meth:`waiting_with`, ``in_flight`` and
-        the rate, computed in one call (a decision asks for every candidate's: the
-        per-request path)."""
-        busy, ends = work.busy_until, work.ends
-        waiting = len(ends) - bisect_right(ends, now) if ends else 0
+        requests (what both stores' views give a decision for each candidate)."""
         return (
-            busy - now if busy > now else 0.0,
-            waiting if waiting > self.waiting else self.waiting,
+            work.backlog_s(now),
+            self.waiting_with(work, now),
             in_flight,
             self.prefill_tokens_per_s,
         )
