@@ -1,5 +1,5 @@
 """The control plane's HTTP servers (admin API, metrics): uvicorn, with a deadline on each
-request's head.
+request's head and a cap on connections.
 
 uvicorn bounds a request head's size (h11: 16 KiB) but not its time: nothing times a
 connection out before its first request, and once a byte of a head has arrived nothing
@@ -10,20 +10,45 @@ head a deadline, ``head_timeout_s`` from the connection's opening or the previou
 response's end: a head not complete by then closes the connection. Bodies have their own
 bound (:mod:`control_plane.body_limit`); between requests uvicorn's keep-alive timeout
 (5 s) still applies.
+
+Nor does uvicorn bound connections: ``limit_concurrency`` counts idle connections too and
+answers 503 past it, so a peer holding connections would still lock operators out. Each
+port here holds at most ``max_connections`` (``--http-max-connections``); one more evicts
+the connection that has waited longest for a request head (a silent peer, or a head
+arriving a byte at a time), so a new peer always gets in while any connection is idle. A
+request in progress is never cut: when every connection has one, the new connection is
+closed at once. Each breach is counted (``http_limit_breaches_total``, by port and limit)
+and logged at most once a minute per port.
 """
 
 from __future__ import annotations
 
 import asyncio
+import logging
+import time
+from collections import Counter
 from typing import Any
 
 import h11
 import uvicorn
 from uvicorn.protocols.http.h11_impl import H11Protocol
 
+log = logging.getLogger("prefix_router.control_plane")
+
 HEAD_TIMEOUT_S = 10.0
 """Seconds a peer has to send a request's head (from its connection, or the end of the
 previous response on the connection)."""
+MAX_CONNECTIONS = 64
+"""Connections one HTTP port holds at once (``--http-max-connections``): far more than
+operators and Prometheus use, far fewer than the process's file descriptors."""
+LOG_INTERVAL_S = 60.0
+"""A port logs its breaches at most this often."""
+
+BREACHES: Counter[tuple[str, str]] = Counter()
+"""Breaches of this process's HTTP ports' limits, by (port name, limit): ``head_timeout``
+(a head not complete by its deadline), ``max_connections`` (a connection evicted or
+refused). Exported as ``http_limit_breaches_total`` (:mod:`control_plane.metrics`)."""
+_logged_at: dict[str, float] = {}
 
 
 class HeadTimeoutH11Protocol(H11Protocol):
@@ -34,21 +59,75 @@ class HeadTimeoutH11Protocol(H11Protocol):
     incomplete; uvicorn's own handler closes the connection when it fires."""
 
     head_timeout_s = HEAD_TIMEOUT_S
+    max_connections = MAX_CONNECTIONS
+    port_name = "http"
+    """Names the port in breach counts and logs (``admin``, ``metrics``)."""
 
     def connection_made(self, transport: asyncio.Transport) -> None:  # type: ignore[override]
         super().connection_made(transport)
         self._head_deadline = self.loop.time() + self.head_timeout_s
+        self._head_started = False
+        """Bytes of the awaited head arrived (so the deadline is a breach, not idleness)."""
+        self._answered = 0
+        if len(self.connections) > self.max_connections and not self._make_room():
+            transport.close()
+            return
         self._arm_head_deadline()
 
     def data_received(self, data: bytes) -> None:
         super().data_received(data)
         if self.conn.their_state is h11.IDLE:  # the head is not complete yet
+            self._head_started = True
             self._arm_head_deadline()
 
     def on_response_complete(self) -> None:
         super().on_response_complete()
+        self._answered += 1
+        self._head_started = False
         # the next head is due within the keep-alive timeout uvicorn has just armed
         self._head_deadline = self.loop.time() + self.timeout_keep_alive
+
+    def timeout_keep_alive_handler(self) -> None:
+        if self.awaits_head() and (self._answered == 0 or self._head_started):
+            self._breach("head_timeout")
+        super().timeout_keep_alive_handler()
+
+    def awaits_head(self) -> bool:
+        """No request in progress: the connection waits for (the rest of) a head."""
+        return self.conn.their_state is h11.IDLE and (
+            self.cycle is None or self.cycle.response_complete
+        )
+
+    def _make_room(self) -> bool:
+        """Close the connection that has waited longest for a head; False: every other
+        connection has a request in progress."""
+        idle = [
+            c
+            for c in self.connections
+            if c is not self
+            and isinstance(c, HeadTimeoutH11Protocol)
+            and not c.transport.is_closing()
+            and c.awaits_head()
+        ]
+        self._breach("max_connections")
+        if not idle:
+            return False
+        oldest = min(idle, key=lambda c: c._head_deadline)
+        oldest.transport.close()
+        oldest.connections.discard(oldest)  # room now, not when the loop reports it lost
+        return True
+
+    def _breach(self, limit: str) -> None:
+        BREACHES[self.port_name, limit] += 1
+        now = time.monotonic()
+        if now - _logged_at.get(self.port_name, -LOG_INTERVAL_S) >= LOG_INTERVAL_S:
+            _logged_at[self.port_name] = now
+            counts = {k[1]: v for k, v in BREACHES.items() if k[0] == self.port_name}
+            log.warning(
+                "%s port: connections over their limits, closed (so far: %s)",
+                self.port_name,
+                counts,
+            )
 
     def _arm_head_deadline(self) -> None:
         if self.transport.is_closing():
@@ -59,15 +138,28 @@ class HeadTimeoutH11Protocol(H11Protocol):
         )
 
 
-def server_config(app: Any, host: str, port: int) -> uvicorn.Config:
+def server_config(
+    app: Any,
+    host: str,
+    port: int,
+    *,
+    name: str = "http",
+    max_connections: int = MAX_CONNECTIONS,
+) -> uvicorn.Config:
     """The uvicorn config of one of the control plane's HTTP ports: ``app`` on
-    ``host:port``, with :class:`HeadTimeoutH11Protocol`; logging and lifespan are the
-    process's own."""
+    ``host:port``, with :class:`HeadTimeoutH11Protocol` holding at most
+    ``max_connections``, its breaches counted under ``name``; logging and lifespan are
+    the process's own."""
+    protocol = type(
+        "HeadTimeoutH11Protocol",
+        (HeadTimeoutH11Protocol,),
+        {"port_name": name, "max_connections": max_connections},
+    )
     return uvicorn.Config(
         app,
         host=host,
         port=port,
-        http=HeadTimeoutH11Protocol,
+        http=protocol,
         log_level="warning",
         log_config=None,
         lifespan="off",

@@ -15,7 +15,9 @@ by one custom collector, from what the process already holds:
   waiting requests and KV usage, fleet-wide hit rate and TTFT, and each
   instance's share of the ring's key space;
 * under ``prefix-router up``, its supervisor's report (through Redis): each
-  process's restarts and whether it runs now.
+  process's restarts and whether it runs now;
+* this process's HTTP ports (admin, metrics): connections closed for breaching a limit
+  (:data:`control_plane.http_server.BREACHES`).
 
 ``*_ratio`` gauges are fractions in [0, 1]; windowed ones are over the fleet
 view's window (``--fleet-window``, 60 s). A value that is unknown (no traffic
@@ -32,6 +34,7 @@ from prometheus_client.metrics_core import CounterMetricFamily, GaugeMetricFamil
 
 from control_plane.callbacks import ClientRegistry
 from control_plane.fleet_view import FleetSnapshot, FleetView
+from control_plane.http_server import BREACHES
 
 __all__ = ["METRIC_NAMES", "PREFIX", "ControlPlaneCollector", "render"]
 
@@ -71,6 +74,7 @@ METRIC_NAMES: dict[str, str] = {
     "fleet_scrape_duration_seconds": "gauge",
     "component_restarts_total": "counter",
     "component_up": "gauge",
+    "http_limit_breaches_total": "counter",
 }
 
 QUANTILES = (("0.5", "p50"), ("0.99", "p99"))
@@ -115,6 +119,7 @@ class ControlPlaneCollector:
         yield from self._instances(snap)
         yield from self._fleet(snap)
         yield from self._supervision(snap)
+        yield self._http_breaches()
 
     def _xds(self) -> Iterator[Metric]:
         pushes = _family(
@@ -345,6 +350,18 @@ class ControlPlaneCollector:
             restarts.add_metric([component.name], component.restarts)
             up.add_metric([component.name], 1.0 if component.state == "running" else 0.0)
         yield from (restarts, up)
+
+    def _http_breaches(self) -> Metric:
+        breaches = _family(
+            "http_limit_breaches_total",
+            "Connections of this process's HTTP ports closed for a limit, by port (admin, "
+            "metrics) and limit (head_timeout: a request head not complete in time; "
+            "max_connections: evicted or refused at the connection cap).",
+            ["port", "limit"],
+        )
+        for (port, limit), count in sorted(BREACHES.items()):
+            breaches.add_metric([port, limit], count)
+        return breaches
 
 
 def render(collector: ControlPlaneCollector) -> bytes:

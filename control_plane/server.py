@@ -43,7 +43,7 @@ from control_plane.callbacks import ClientRegistry
 from control_plane.drain import Drainer
 from control_plane.fleet_view import FleetView
 from control_plane.health import HealthProber
-from control_plane.http_server import server_config
+from control_plane.http_server import MAX_CONNECTIONS, server_config
 from control_plane.models import ModelDiscovery
 from control_plane.publisher import Publisher, keep_names_resolved
 from control_plane.restore import StateKeeper
@@ -94,6 +94,9 @@ class Settings:
     view's windows, and so the prefill rates it learns, are in the instances' seconds."""
     xds_limits: XdsLimits = XdsLimits()
     """Limits on every peer of the xDS port (control_plane/xds_limits.py)."""
+    http_max_connections: int = MAX_CONNECTIONS
+    """Connections the admin port, and the metrics port, each hold at once
+    (control_plane/http_server.py)."""
 
 
 def load_fleet_file(path: str) -> tuple[Fleet, RouterConfig | None]:
@@ -191,14 +194,24 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
 
     admin = _EmbeddedUvicorn(
         server_config(
-            create_app(service, token=settings.token), settings.admin_host, settings.admin_port
+            create_app(service, token=settings.token),
+            settings.admin_host,
+            settings.admin_port,
+            name="admin",
+            max_connections=settings.http_max_connections,
         )
     )
     metrics_server = (
         None
         if settings.metrics_port is None
         else _EmbeddedUvicorn(
-            server_config(create_metrics_app(service), settings.admin_host, settings.metrics_port)
+            server_config(
+                create_metrics_app(service),
+                settings.admin_host,
+                settings.metrics_port,
+                name="metrics",
+                max_connections=settings.http_max_connections,
+            )
         )
     )
     prober = HealthProber(store)
@@ -291,6 +304,16 @@ def _xds_flag(field: str) -> str:
     return "--xds-" + name.replace("_", "-")
 
 
+def _positive_int(text: str) -> int:
+    try:
+        value = int(text)
+    except ValueError:
+        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
+    if value < 1:
+        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
+    return value
+
+
 def _parser() -> argparse.ArgumentParser:
     p = argparse.ArgumentParser(prog="prefix-router control-plane", description=__doc__)
     p.add_argument("--xds-host", default="127.0.0.1")
@@ -301,6 +324,14 @@ def _parser() -> argparse.ArgumentParser:
         "--metrics-port",
         type=int,
         help="also serve /metrics and /healthz (no auth) on this port, on --admin-host",
+    )
+    p.add_argument(
+        "--http-max-connections",
+        type=_positive_int,
+        default=MAX_CONNECTIONS,
+        help="connections the admin port (and the metrics port) each hold at once; one more "
+        "evicts the connection nearest its request-head deadline, or is closed when every "
+        "connection has a request in progress",
     )
     p.add_argument("--redis-url", help=f"shared state (default {DEFAULT_REDIS_URL})")
     p.add_argument(
@@ -392,6 +423,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         model_discovery_interval_s=args.model_discovery_interval,
         clock_scale=args.clock_scale,
         xds_limits=xds_limits,
+        http_max_connections=args.http_max_connections,
     )
 
     async def main_async() -> None:

@@ -1,6 +1,6 @@
-"""The control plane's HTTP ports give every request's head a deadline
-(control_plane/http_server.py), over real sockets: uvicorn on 127.0.0.1 with the config
-the control plane uses, serving a tiny app."""
+"""The control plane's HTTP ports give every request's head a deadline and hold a bounded
+number of connections (control_plane/http_server.py), over real sockets: uvicorn on
+127.0.0.1 with the config the control plane uses, serving a tiny app."""
 
 from __future__ import annotations
 
@@ -9,9 +9,11 @@ import contextlib
 import time
 from collections.abc import AsyncIterator
 
-from starlette.types import Receive, Scope, Send
+import pytest
+from starlette.types import ASGIApp, Receive, Scope, Send
 
-from control_plane.http_server import HeadTimeoutH11Protocol, server_config
+from control_plane.http_server import BREACHES, MAX_CONNECTIONS, server_config
+from control_plane.server import _parser
 from prefix_router.ops.procs import free_port
 from tests.support.uvicorn_server import uvicorn_serving
 
@@ -25,15 +27,18 @@ async def hello(scope: Scope, receive: Receive, send: Send) -> None:
     await send({"type": "http.response.body", "body": b"hello"})
 
 
-class ShortDeadline(HeadTimeoutH11Protocol):
-    head_timeout_s = HEAD_TIMEOUT_S
-
-
 @contextlib.asynccontextmanager
-async def serving(keep_alive_s: float = 5.0) -> AsyncIterator[int]:
+async def serving(
+    keep_alive_s: float = 5.0,
+    *,
+    app: ASGIApp = hello,
+    name: str = "test",
+    max_connections: int = 64,
+) -> AsyncIterator[int]:
     port = free_port()
-    config = server_config(hello, "127.0.0.1", port)
-    config.http = ShortDeadline
+    config = server_config(app, "127.0.0.1", port, name=name, max_connections=max_connections)
+    assert isinstance(config.http, type)
+    config.http = type("ShortDeadline", (config.http,), {"head_timeout_s": HEAD_TIMEOUT_S})
     config.timeout_keep_alive = keep_alive_s
     async with uvicorn_serving(config):
         yield port
@@ -49,13 +54,15 @@ async def closed_after(reader: asyncio.StreamReader, limit_s: float = 5.0) -> fl
 
 
 async def test_a_connection_that_sends_nothing_is_closed_at_the_deadline() -> None:
-    async with serving() as port:
+    before = BREACHES["silent", "head_timeout"]
+    async with serving(name="silent") as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             took = await closed_after(reader)
         finally:
             writer.close()
     assert HEAD_TIMEOUT_S * 0.8 < took < HEAD_TIMEOUT_S + 1.0, took
+    assert BREACHES["silent", "head_timeout"] == before + 1
 
 
 async def test_a_head_sent_a_byte_at_a_time_is_closed_at_the_deadline() -> None:
@@ -95,7 +102,8 @@ async def test_requests_within_the_deadline_are_served_on_one_connection() -> No
 
 
 async def test_the_next_head_is_due_within_the_keep_alive_timeout() -> None:
-    async with serving(keep_alive_s=0.5) as port:
+    before = BREACHES["keep-alive", "head_timeout"]
+    async with serving(keep_alive_s=0.5, name="keep-alive") as port:
         reader, writer = await asyncio.open_connection("127.0.0.1", port)
         try:
             writer.write(b"GET / HTTP/1.1\r\nhost: admin\r\n\r\n")
@@ -106,3 +114,81 @@ async def test_the_next_head_is_due_within_the_keep_alive_timeout() -> None:
         finally:
             writer.close()
     assert 0.3 < took < 1.5, took
+    assert BREACHES["keep-alive", "head_timeout"] == before + 1
+
+
+async def test_a_connection_idle_after_its_answers_is_closed_without_a_breach() -> None:
+    async with serving(keep_alive_s=0.3, name="idle") as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"GET / HTTP/1.1\r\nhost: admin\r\n\r\n")
+            async with asyncio.timeout(5):
+                await reader.readuntil(b"hello")
+            took = await closed_after(reader)
+        finally:
+            writer.close()
+    assert took < 1.5, took
+    assert BREACHES["idle", "head_timeout"] == 0
+
+
+async def get(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection that has sent one request (its answer not read yet)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nhost: admin\r\n\r\n")
+    await writer.drain()
+    return reader, writer
+
+
+async def test_past_the_cap_a_new_peer_evicts_the_connection_nearest_its_head_deadline() -> None:
+    before = BREACHES["capped", "max_connections"]
+    async with serving(name="capped", max_connections=3) as port:
+        silent = []
+        for _ in range(3):
+            silent.append(await asyncio.open_connection("127.0.0.1", port))
+            await asyncio.sleep(0.05)  # opened in order: the first is due first
+        reader, writer = await get(port)
+        try:
+            async with asyncio.timeout(5):
+                assert (await reader.readuntil(b"hello")).startswith(b"HTTP/1.1 200")
+                assert await silent[0][0].read() == b""  # evicted: closed, nothing sent
+            await asyncio.sleep(0.1)
+            assert not silent[1][0].at_eof() and not silent[2][0].at_eof()
+        finally:
+            for _, w in [*silent, (reader, writer)]:
+                w.close()
+    assert BREACHES["capped", "max_connections"] == before + 1
+
+
+async def test_past_the_cap_requests_in_progress_are_kept_and_the_new_connection_closed() -> None:
+    release = asyncio.Event()
+
+    async def slow(scope: Scope, receive: Receive, send: Send) -> None:
+        await release.wait()
+        await hello(scope, receive, send)
+
+    async with serving(app=slow, name="busy", max_connections=2) as port:
+        busy = [await get(port) for _ in range(2)]
+        await asyncio.sleep(0.1)
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            async with asyncio.timeout(5):
+                assert await reader.read() == b""  # closed at once
+            release.set()
+            async with asyncio.timeout(5):
+                for r, _ in busy:
+                    assert (await r.readuntil(b"hello")).startswith(b"HTTP/1.1 200")
+        finally:
+            release.set()
+            for _, w in [*busy, (reader, writer)]:
+                w.close()
+    assert BREACHES["busy", "max_connections"] == 1
+
+
+def test_the_command_line_sets_the_cap_and_refuses_a_cap_of_nothing(
+    capsys: pytest.CaptureFixture[str],
+) -> None:
+    assert _parser().parse_args(["--http-max-connections=5"]).http_max_connections == 5
+    assert _parser().parse_args([]).http_max_connections == MAX_CONNECTIONS
+    with pytest.raises(SystemExit):
+        _parser().parse_args(["--http-max-connections=0"])
+    assert "--http-max-connections: must be at least 1, got 0" in capsys.readouterr().err
