@@ -53,6 +53,22 @@ async def closed_after(reader: asyncio.StreamReader, limit_s: float = 5.0) -> fl
     return time.monotonic() - started
 
 
+async def get(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection that has sent one request (its answer not read yet)."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", port)
+    writer.write(b"GET / HTTP/1.1\r\nhost: admin\r\n\r\n")
+    await writer.drain()
+    return reader, writer
+
+
+async def answered(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A connection whose one request has been answered."""
+    reader, writer = await get(port)
+    async with asyncio.timeout(5):
+        await reader.readuntil(b"hello")
+    return reader, writer
+
+
 async def test_a_connection_that_sends_nothing_is_closed_at_the_deadline() -> None:
     before = BREACHES["silent", "head_timeout"]
     async with serving(name="silent") as port:
@@ -104,11 +120,8 @@ async def test_requests_within_the_deadline_are_served_on_one_connection() -> No
 async def test_the_next_head_is_due_within_the_keep_alive_timeout() -> None:
     before = BREACHES["keep-alive", "head_timeout"]
     async with serving(keep_alive_s=0.5, name="keep-alive") as port:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await answered(port)
         try:
-            writer.write(b"GET / HTTP/1.1\r\nhost: admin\r\n\r\n")
-            async with asyncio.timeout(5):
-                await reader.readuntil(b"hello")
             writer.write(b"GET / HTT")  # a head begun, never finished
             took = await closed_after(reader)
         finally:
@@ -119,24 +132,13 @@ async def test_the_next_head_is_due_within_the_keep_alive_timeout() -> None:
 
 async def test_a_connection_idle_after_its_answers_is_closed_without_a_breach() -> None:
     async with serving(keep_alive_s=0.3, name="idle") as port:
-        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        reader, writer = await answered(port)
         try:
-            writer.write(b"GET / HTTP/1.1\r\nhost: admin\r\n\r\n")
-            async with asyncio.timeout(5):
-                await reader.readuntil(b"hello")
             took = await closed_after(reader)
         finally:
             writer.close()
     assert took < 1.5, took
     assert BREACHES["idle", "head_timeout"] == 0
-
-
-async def get(port: int) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
-    """A connection that has sent one request (its answer not read yet)."""
-    reader, writer = await asyncio.open_connection("127.0.0.1", port)
-    writer.write(b"GET / HTTP/1.1\r\nhost: admin\r\n\r\n")
-    await writer.drain()
-    return reader, writer
 
 
 async def test_past_the_cap_a_new_peer_evicts_the_connection_nearest_its_head_deadline() -> None:
