@@ -13,8 +13,11 @@ For 1 KB and 64 KB OpenAI chat bodies it measures, with wrk, latency p50/p99 at
 concurrency 1 and requests/s at concurrency 16, and during the latter the ext_proc
 processes' CPU time per request: its inverse is the requests/s one process serves
 on a core of its own, a figure the other processes on the machine move much less
-than they move requests/s (Envoy, wrk and the backends share its two cores). It
-prints a markdown table (also written to bench/results/data_plane_latency.md).
+than they move requests/s (Envoy, wrk and the backends share its two cores). Envoy's
+CPU a request is measured the same way on every path (what Envoy's own side of the two
+ext_proc messages costs), and Redis's on the paths that use it when ``--redis-url``
+names a Redis on this machine (its ``INFO`` gives the pid). It prints a markdown table
+(also written to bench/results/data_plane_latency.md).
 
     python bench/scripts/data_plane_latency.py [--ext-procs 1] [--seconds 8] [--baseline DIR]
 
@@ -46,6 +49,23 @@ PATHS = {
     "ext_proc": "prefix-router ext_proc",
     "ext_proc_grpcio": "prefix-router ext_proc, grpcio transport",
 }
+
+
+USES_REDIS = frozenset({"ext_proc", "ext_proc_grpcio", "baseline"})
+"""The paths whose ext_proc keeps its state in Redis when ``--redis-url`` is given."""
+
+
+def local_redis_pid(url: str) -> int | None:
+    """The pid of the Redis at ``url`` if it runs on this machine (its ``INFO`` says which
+    process it is); None when it is elsewhere or does not answer."""
+    import redis
+
+    try:
+        with redis.Redis.from_url(url, socket_timeout=2) as client:
+            pid = int(client.info("server")["process_id"])
+    except (redis.RedisError, OSError, KeyError, ValueError):
+        return None
+    return pid if Path(f"/proc/{pid}").exists() else None
 
 
 def main() -> None:
@@ -110,6 +130,8 @@ def main() -> None:
         if args.baseline:
             starters["baseline"] = baseline
         pids: dict[str, list[int]] = {"direct": []}
+        envoy_pids: dict[str, int] = {}
+        redis_pid = local_redis_pid(args.redis_url) if args.redis_url else None
         urls = {}
         for name in paths:
             eps = [free_port() for _ in range(args.ext_procs)] if name in starters else []
@@ -132,6 +154,7 @@ def main() -> None:
                 )
             )
             urls[name] = f"http://127.0.0.1:{params.listen_port}/v1/chat/completions"
+            envoy_pids[name] = started[-1].pid
 
         rows, ratios = [], []
         for size in (1024, 64 * 1024):
@@ -140,12 +163,24 @@ def main() -> None:
                 name: run_wrk(url, body, connections=1, threads=1, seconds=args.seconds)
                 for name, url in urls.items()
             }
-            rate, cpu_us = {}, {}
+            rate, cpu_us, envoy_us, redis_us = {}, {}, {}, {}
             for name, url in urls.items():
-                before = sum(cpu_seconds(pid) for pid in pids[name])
+                redis = redis_pid if name in USES_REDIS else None
+                watched = {
+                    "ext_proc": pids[name],
+                    "envoy": [envoy_pids[name]],
+                    "redis": [] if redis is None else [redis],
+                }
+                before = {k: sum(cpu_seconds(pid) for pid in v) for k, v in watched.items()}
                 rate[name] = run_wrk(url, body, connections=16, threads=2, seconds=args.seconds)
-                used = sum(cpu_seconds(pid) for pid in pids[name]) - before
-                cpu_us[name] = used / (rate[name]["rps"] * args.seconds) * 1e6
+                served = rate[name]["rps"] * args.seconds
+                used = {
+                    k: (sum(cpu_seconds(pid) for pid in v) - before[k]) / served * 1e6
+                    for k, v in watched.items()
+                }
+                cpu_us[name], envoy_us[name] = used["ext_proc"], used["envoy"]
+                if redis is not None:
+                    redis_us[name] = used["redis"]
             direct = latency["direct"]
             added_p50 = {n: latency[n]["p50"] - direct["p50"] for n in urls if n != "direct"}
             ratios.append(
@@ -167,10 +202,11 @@ def main() -> None:
                 if name != "direct":
                     added = [f"**{r[q] - direct[q]:+.2f}**" for q in ("p50", "p99")]
                     cpu = f"{cpu_us[name]:.0f} us = **{1e6 / cpu_us[name]:,.0f}**"
+                redis_cpu = f"{redis_us[name]:.0f} us" if name in redis_us else "-"
                 rows.append(
                     f"| {size // 1024} KB | {label} | {r['p50']:.2f} | {r['p99']:.2f} | "
                     f"{added[0]} | {added[1]} | **{t['rps']:.0f}** | {cpu} | "
-                    f"{int(r['errors'] + t['errors'])} |"
+                    f"{envoy_us[name]:.0f} us | {redis_cpu} | {int(r['errors'] + t['errors'])} |"
                 )
         table = "\n".join(
             [
@@ -180,8 +216,9 @@ def main() -> None:
                 f"load store: {'Redis' if args.redis_url else 'in-process'}",
                 "",
                 "| body | path | p50 ms | p99 ms | added p50 ms | added p99 ms "
-                "| req/s (c16) | ext_proc CPU a request = req/s a core | non-2xx |",
-                "|---|---|---|---|---|---|---|---|---|",
+                "| req/s (c16) | ext_proc CPU a request = req/s a core | Envoy CPU a request "
+                "| Redis CPU a request | non-2xx |",
+                "|---|---|---|---|---|---|---|---|---|---|---|",
                 *rows,
                 "",
                 *(f"- {line}" for line in ratios),
