@@ -13,9 +13,10 @@ bound (:mod:`control_plane.body_limit`); between requests uvicorn's keep-alive t
 
 Nor does uvicorn bound connections: ``limit_concurrency`` counts idle connections too and
 answers 503 past it, so a peer holding connections would still lock operators out. Each
-port here holds at most ``max_connections`` (``--http-max-connections``); one more evicts
-the connection that has waited longest for a request head (a silent peer, or a head
-arriving a byte at a time), so a new peer always gets in while any connection is idle. A
+port here holds at most ``max_connections`` (``--http-max-connections``); one more evicts,
+of the connections waiting for a request head (a silent peer, a head arriving a byte at a
+time, a keep-alive connection between requests), the one nearest its deadline, so a new
+peer always gets in while any connection waits. A
 request in progress is never cut: when every connection has one, the new connection is
 closed at once. Each breach is counted (``http_limit_breaches_total``, by port and limit)
 and logged at most once a minute per port.
@@ -99,8 +100,8 @@ class HeadTimeoutH11Protocol(H11Protocol):
         )
 
     def _make_room(self) -> bool:
-        """Close the connection that has waited longest for a head; False: every other
-        connection has a request in progress."""
+        """Close, of the connections waiting for a head, the one nearest its deadline;
+        False: every other connection has a request in progress."""
         idle = [
             c
             for c in self.connections
@@ -112,9 +113,9 @@ class HeadTimeoutH11Protocol(H11Protocol):
         self._breach("max_connections")
         if not idle:
             return False
-        oldest = min(idle, key=lambda c: c._head_deadline)
-        oldest.transport.close()
-        oldest.connections.discard(oldest)  # room now, not when the loop reports it lost
+        due_first = min(idle, key=lambda c: c._head_deadline)
+        due_first.transport.close()
+        due_first.connections.discard(due_first)  # room now, not when the loop reports it lost
         return True
 
     def _breach(self, limit: str) -> None:
