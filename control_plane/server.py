@@ -25,9 +25,10 @@ import asyncio
 import contextlib
 import ipaddress
 import logging
+import math
 import os
 import signal
-from collections.abc import Iterator, Sequence
+from collections.abc import Callable, Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any
 
@@ -281,7 +282,7 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
         log.info("control plane stopped")
 
 
-XDS_LIMIT_FLAGS: dict[str, tuple[type, str]] = {
+XDS_LIMIT_FLAGS: dict[str, tuple[type[int] | type[float], str]] = {
     "max_connections": (
         int,
         "connections the xDS port holds at once; one more is closed as it is accepted",
@@ -304,14 +305,24 @@ def _xds_flag(field: str) -> str:
     return "--xds-" + name.replace("_", "-")
 
 
-def _positive_int(text: str) -> int:
-    try:
-        value = int(text)
-    except ValueError:
-        raise argparse.ArgumentTypeError(f"expected a whole number, got {text!r}") from None
-    if value < 1:
-        raise argparse.ArgumentTypeError(f"must be at least 1, got {value}")
-    return value
+def _positive(kind: type[int] | type[float]) -> Callable[[str], float]:
+    """An argparse type: a whole number at least 1 (``int``) or a positive, finite number
+    (``float``), so a bad value is refused by its flag's name before anything starts."""
+
+    def parse(text: str) -> float:
+        try:
+            value = kind(text)
+        except ValueError:
+            raise argparse.ArgumentTypeError(
+                f"expected a {'whole ' if kind is int else ''}number, got {text!r}"
+            ) from None
+        if not 0 < value < math.inf:
+            raise argparse.ArgumentTypeError(
+                f"must be {'at least 1' if kind is int else 'positive'}, got {text}"
+            )
+        return value
+
+    return parse
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -327,7 +338,7 @@ def _parser() -> argparse.ArgumentParser:
     )
     p.add_argument(
         "--http-max-connections",
-        type=_positive_int,
+        type=_positive(int),
         default=MAX_CONNECTIONS,
         help="connections the admin port (and the metrics port) each hold at once; one more "
         "evicts the connection nearest its request-head deadline, or is closed when every "
@@ -379,7 +390,9 @@ def _parser() -> argparse.ArgumentParser:
     p.add_argument("--clock-scale", type=parse_clock_scale, default=1.0, help=CLOCK_SCALE_HELP)
     limits = XdsLimits()
     for field, (kind, help_) in XDS_LIMIT_FLAGS.items():
-        p.add_argument(_xds_flag(field), type=kind, default=getattr(limits, field), help=help_)
+        p.add_argument(
+            _xds_flag(field), type=_positive(kind), default=getattr(limits, field), help=help_
+        )
     p.add_argument("--log-level", default="INFO")
     return p
 
@@ -387,16 +400,12 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Sequence[str] | None = None) -> int:
     parser = _parser()
     args = parser.parse_args(argv)
-    try:
-        xds_limits = XdsLimits(
-            **{
-                field: getattr(args, _xds_flag(field)[2:].replace("-", "_"))
-                for field in XDS_LIMIT_FLAGS
-            }
-        )
-    except ValueError as exc:  # named by its field: say the flag
-        field = next(f for f in XDS_LIMIT_FLAGS if str(exc).startswith(f))
-        parser.error(f"{_xds_flag(field)}{str(exc).removeprefix(field)}")
+    xds_limits = XdsLimits(
+        **{
+            field: getattr(args, _xds_flag(field)[2:].replace("-", "_"))
+            for field in XDS_LIMIT_FLAGS
+        }
+    )
     setup_logging("control_plane", args.log_level)
     fleet, config = load_fleet_file(args.fleet) if args.fleet else (None, None)
     if args.config:

@@ -199,5 +199,5 @@ def test_a_bad_limit_flag_is_a_one_line_error_naming_the_flag(
         main(["--xds-max-streams", "0"])
     assert exited.value.code == 2
     assert capsys.readouterr().err.strip().splitlines()[-1] == (
-        "prefix-router control-plane: error: --xds-max-streams must be at least 1, not 0"
+        "prefix-router control-plane: error: argument --xds-max-streams: must be at least 1, got 0"
     )
