@@ -144,7 +144,7 @@ async def test_a_hot_prefix_spreads_with_load_and_never_overloads_one(
 
     async with PeakSampler(stack) as sampler:
         served = await burst(stack, 100)
-    # The in-flight bound is load_factor (1.4) x the fleet's mean + 4. One replica decides a
+    # The in-flight bound is load_factor (1.25) x the fleet's mean + 4. One replica decides a
     # burst in order, each request seeing the ones before it. Replicas see each other's
     # decisions one Redis round trip late: a burst that reaches both at once may fill an
     # instance to the bound from each side (docs/reliability.md says so).
@@ -181,8 +181,8 @@ async def test_a_new_prefix_starts_beside_its_busy_ring_pick_and_stays_there(
     cold = next(p for p in prompts if ring_of(p)[0] == busy)
     url = f"{stack.url}/v1/chat/completions"
     async with httpx.AsyncClient(timeout=60) as client:
-        # two in flight on the hot prefix's holder put it over the in-flight bound
-        # (1.4 x (2 / 8 + 1) = 1.75): busy for a prefix nobody holds
+        # two in flight on the hot prefix's holder make it the busiest of the cold
+        # prompt's ring candidates, so a prefix nobody holds starts elsewhere
         hot = asyncio.gather(*(client.post(url, content=chat_body(HOT_PROMPT)) for _ in range(2)))
         redis = aioredis.Redis.from_url(REDIS_URL)
         try:
