@@ -144,7 +144,7 @@ async def test_a_hot_prefix_spreads_with_load_and_never_overloads_one(
 
     async with PeakSampler(stack) as sampler:
         served = await burst(stack, 100)
-    # The in-flight bound is load_factor (1.25) x the fleet's mean + 4. One replica decides a
+    # The in-flight bound is load_factor (1.4) x the fleet's mean + 4. One replica decides a
     # burst in order, each request seeing the ones before it. Replicas see each other's
     # decisions one Redis round trip late: a burst that reaches both at once may fill an
     # instance to the bound from each side (docs/reliability.md says so).

@@ -70,7 +70,7 @@ class SpillConfig(_Frozen):
 
     policy: SpillPolicyName = SpillPolicyName.LEAST_WORK
     load_factor: float = Field(
-        1.25,
+        1.4,
         gt=1.0,
         le=100.0,
         description="No instance takes new requests above load_factor x the fleet's mean "
