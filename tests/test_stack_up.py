@@ -13,9 +13,10 @@ from pathlib import Path
 import httpx
 import pytest
 
+from control_plane.server import _parser as control_plane_parser
 from prefix_router.core.errors import ConfigError
 from prefix_router.ops.procs import free_port
-from prefix_router.ops.up import resolve_settings
+from prefix_router.ops.up import Stack, resolve_settings
 from tests.conftest import REDIS_URL, ProcessReaper
 from tests.support.processes import UpProcess, run_group, run_up
 from tests.support.running_stack import running_stack
@@ -67,6 +68,29 @@ def test_the_routers_clock_runs_at_its_instances_speed(args: list[str], scale: f
 def test_a_clock_scale_must_be_positive() -> None:
     with pytest.raises(ConfigError, match="clock_scale"):
         resolve_settings(["--clock-scale", "0"], {})
+
+
+@pytest.mark.parametrize(
+    ("args", "environ", "cap"),
+    [
+        ([], {}, 64),  # unset: the control plane's own default
+        (["--http-max-connections", "5"], {}, 5),
+        ([], {"PREFIX_ROUTER_HTTP_MAX_CONNECTIONS": "7"}, 7),
+    ],
+)
+def test_the_admin_ports_connection_cap_reaches_the_control_plane(
+    args: list[str], environ: dict[str, str], cap: int
+) -> None:
+    settings, config = resolve_settings(["--redis-url", REDIS_URL, *args], environ)
+    argv = Stack(settings, config).control_plane_args(Path("fleet.yaml"))
+    parsed = control_plane_parser().parse_args(argv)  # what the control plane would run with
+    assert parsed.http_max_connections == cap
+    assert (parsed.admin_port, parsed.xds_port, parsed.redis_url) == (8081, 18000, REDIS_URL)
+
+
+def test_a_connection_cap_must_be_positive() -> None:
+    with pytest.raises(ConfigError, match="http_max_connections"):
+        resolve_settings(["--http-max-connections", "0"], {})
 
 
 def chat(client: httpx.Client, port: int) -> httpx.Response:

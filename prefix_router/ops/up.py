@@ -81,6 +81,12 @@ class UpSettings(BaseModel):
     admin_port: int = Field(8081, ge=1, le=65535, description="admin REST API")
     envoy_admin_port: int = Field(9901, ge=1, le=65535, description="Envoy admin and stats")
     xds_port: int = Field(18000, ge=1, le=65535, description="control plane xDS (gRPC)")
+    http_max_connections: int | None = Field(
+        None,
+        ge=1,
+        description="connections the admin port holds at once (default: the control "
+        "plane's, 64); past it one waiting for a request head is evicted",
+    )
     ext_procs: int = Field(2, ge=1, le=32, description="ext_proc worker processes")
     envoy_concurrency: int = Field(2, ge=1, le=64, description="Envoy worker threads")
     instances: int = Field(4, ge=1, le=64, description="simulated vLLM instances")
@@ -395,6 +401,24 @@ class Stack:
         finally:
             client.close()
 
+    def control_plane_args(self, fleet_file: Path) -> list[str]:
+        """The control plane's flags: where it listens and what it serves, from the
+        settings (a limit left unset keeps the control plane's own default)."""
+        s = self.settings
+        assert self.redis_url is not None
+        cap = s.http_max_connections
+        limits = [] if cap is None else ["--http-max-connections", str(cap)]
+        return [
+            *("--xds-host", s.host, "--xds-port", str(s.xds_port)),
+            *("--admin-host", s.host, "--admin-port", str(s.admin_port)),
+            *limits,
+            *("--redis-url", self.redis_url, "--namespace", s.namespace),
+            *("--fleet", str(fleet_file)),
+            # real backends, or simulators serving several models: learn the pools
+            *(["--discover-models"] if s.backend or s.sim_serve else []),
+            *("--clock-scale", f"{s.instance_clock_scale:g}"),
+        ]
+
     def _start_dynamic(self) -> None:
         s = self.settings
         assert self.redis_url is not None
@@ -403,27 +427,7 @@ class Stack:
         env = {"PREFIX_ROUTER_ADMIN_TOKEN": self.token}
         control_plane = ManagedProcess(
             "control-plane",
-            cli_command(
-                "control-plane",
-                "--xds-host",
-                s.host,
-                "--xds-port",
-                str(s.xds_port),
-                "--admin-host",
-                s.host,
-                "--admin-port",
-                str(s.admin_port),
-                "--redis-url",
-                self.redis_url,
-                "--namespace",
-                s.namespace,
-                "--fleet",
-                str(fleet_file),
-                # real backends, or simulators serving several models: learn the pools
-                *(["--discover-models"] if s.backend or s.sim_serve else []),
-                "--clock-scale",
-                f"{s.instance_clock_scale:g}",
-            ),
+            cli_command("control-plane", *self.control_plane_args(fleet_file)),
             self.log_dir / "control-plane.log",
             env=env,
         ).start()
