@@ -13,6 +13,7 @@ from pathlib import Path
 import httpx
 import pytest
 
+from control_plane.http_server import MAX_CONNECTIONS
 from control_plane.server import _parser as control_plane_parser
 from prefix_router.core.errors import ConfigError
 from prefix_router.ops.procs import free_port
@@ -73,7 +74,7 @@ def test_a_clock_scale_must_be_positive() -> None:
 @pytest.mark.parametrize(
     ("args", "environ", "cap"),
     [
-        ([], {}, 64),  # unset: the control plane's own default
+        ([], {}, MAX_CONNECTIONS),  # unset: the control plane's own default
         (["--http-max-connections", "5"], {}, 5),
         ([], {"PREFIX_ROUTER_HTTP_MAX_CONNECTIONS": "7"}, 7),
     ],
