@@ -45,11 +45,15 @@ async def serving(
 
 
 async def closed_after(reader: asyncio.StreamReader, limit_s: float = 5.0) -> float:
-    """Seconds until the server closes the connection (what it sends is dropped)."""
+    """Seconds until the server closes the connection (what it sends is dropped).
+
+    A reset or a broken pipe is a close too: when the server closes while the client is
+    still writing, the stream holds that error and raises it from the next read."""
     started = time.monotonic()
     async with asyncio.timeout(limit_s):
-        while await reader.read(4096):
-            pass
+        with contextlib.suppress(ConnectionError):
+            while await reader.read(4096):
+                pass
     return time.monotonic() - started
 
 
