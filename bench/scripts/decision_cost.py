@@ -11,7 +11,12 @@ state in Redis, and reports:
   share round trips, as under load);
 * with ``--callgrind``, instructions per request (valgrind's callgrind, the difference
   between two runs of different lengths, so start-up cancels): the figure that does not
-  move with the machine's load.
+  move with the machine's load;
+* with ``--evict-mb N``, p50 latency again with N MB of memory written between requests,
+  which evicts the CPU's caches as the other processes of a request's path do (Envoy, the
+  client, the instance) while ext_proc waits for its next message: through the stack at
+  concurrency 1 a request is routed with cold caches, and costs what this column says, not
+  what the hot loop does (docs/data-path.md).
 
 Each (checkout, store, body) runs in a child process of its own, whose ``prefix_router``
 is imported from that checkout (``PYTHONPATH``, as ``data_plane_latency.py --baseline``
@@ -19,7 +24,8 @@ does), so both run on this interpreter and its libraries. The rounds alternate b
 the checkouts and the median round is kept, so a busy moment on the machine hits both.
 
     python bench/scripts/decision_cost.py [--baseline DIR] [--redis-url URL] [--n 3000]
-        [--rounds 3] [--callgrind] [--before DIR] [--out bench/results/decision_cost.md]
+        [--rounds 3] [--callgrind] [--evict-mb 4] [--before DIR]
+        [--out bench/results/decision_cost.md]
 
 ``DIR`` is a checkout of the old router (``git worktree add /work/wt-old-cost e67dc7e``).
 8 instances; every count taken is given back and the child's namespace deleted.
@@ -73,7 +79,8 @@ async def _child(args: argparse.Namespace) -> dict[str, float]:
     table = RoutingTable.build(
         Fleet.of([Instance("10.0.0.1", 8000 + i) for i in range(8)]), RouterConfig()
     )
-    bodies = _bodies(Path(args.body).read_bytes(), WARMUP + args.n)
+    extra = args.n // 2 if args.evict_mb else 0  # new bodies for the cold pass
+    bodies = _bodies(Path(args.body).read_bytes(), WARMUP + args.n + extra)
     namespace = f"bench-cost-{uuid.uuid4().hex[:8]}:"
     store = (
         Memory()
@@ -100,7 +107,7 @@ async def _child(args: argparse.Namespace) -> dict[str, float]:
         for body in bodies[:WARMUP]:
             await one(body)
         await asyncio.sleep(0.01)
-        measured = bodies[WARMUP:]
+        measured = bodies[WARMUP : WARMUP + args.n]
         out: dict[str, float] = {}
         if args.concurrency == 1:
             cpu = time.process_time()
@@ -109,6 +116,13 @@ async def _child(args: argparse.Namespace) -> dict[str, float]:
             samples.sort()
             out["p50_us"] = statistics.median(samples) * 1e6
             out["p99_us"] = samples[int(0.99 * (len(samples) - 1))] * 1e6
+            if args.evict_mb:
+                junk = bytearray(args.evict_mb << 20)
+                cold = []
+                for body in bodies[WARMUP + args.n :]:
+                    junk[:] = bytes(len(junk))  # what the path's other processes do to caches
+                    cold.append(await one(body))
+                out["p50_cold_us"] = statistics.median(cold) * 1e6
         else:
             cpu = time.process_time()
             c = args.concurrency
@@ -184,6 +198,9 @@ def main() -> None:
     parser.add_argument("--rounds", type=int, default=3)
     parser.add_argument("--callgrind", action="store_true", help="also count instructions")
     parser.add_argument("--callgrind-n", type=int, default=300)
+    parser.add_argument(
+        "--evict-mb", type=int, default=0, help="also p50 with this many MB written between"
+    )
     parser.add_argument("--out", type=Path)
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     parser.add_argument("--store", choices=("memory", "redis"), default="redis")
@@ -219,7 +236,8 @@ def main() -> None:
                     for name, tree in trees.items():
                         common = ["--store", store, "--body", str(bodies[size])]
                         common += ["--redis-url", args.redis_url]
-                        seq = _run_child(tree, [*common, "--n", str(args.n)])
+                        evict = ["--evict-mb", str(args.evict_mb)] if args.evict_mb else []
+                        seq = _run_child(tree, [*common, *evict, "--n", str(args.n)])
                         conc = _run_child(
                             tree, [*common, "--n", str(args.n), "--concurrency", str(CONCURRENT)]
                         )
@@ -248,7 +266,9 @@ def _table(
     args: argparse.Namespace,
 ) -> list[str]:
     cg = "ir" in next(iter(rows.values()))
+    cold = "p50_cold_us" in next(iter(rows.values()))
     head = "| checkout | state | body | p50 us | p99 us | CPU us/req | CPU us/req, 16 concurrent |"
+    head += f" p50 us, {args.evict_mb} MB written between |" if cold else ""
     head += " instructions/req |" if cg else ""
     lines = [
         "# What one routing decision costs ext_proc",
@@ -260,13 +280,14 @@ def _table(
         f"{args.redis_url}; bodies share their system prompt, their user message differs.",
         "",
         head,
-        "|---|---|---|---|---|---|---|" + ("---|" if cg else ""),
+        "|---|---|---|---|---|---|---|" + ("---|" * (cg + cold)),
     ]
     for (name, store, size), r in sorted(rows.items(), key=lambda kv: (kv[0][2], kv[0][1])):
         line = (
             f"| {name} | {store} | {size // 1024} KB | {r['p50_us']:.0f} | {r['p99_us']:.0f} "
             f"| {r['cpu_us']:.0f} | {r['cpu16_us']:.0f} |"
         )
+        line += f" {r['p50_cold_us']:.0f} |" if cold else ""
         line += f" {r['ir'] / 1000:.0f}K |" if cg else ""
         lines.append(line + (f" ({r['degraded']:.0f} degraded)" if r["degraded"] else ""))
     for name in (n for n in trees if "old" in trees and n != "old"):
