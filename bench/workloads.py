@@ -20,6 +20,10 @@ always give the same workload, byte for byte.
 ``group-prompts``      128 groups x 16 prompts, a 4,096-token system prompt per group
                        (16 KiB: a fixed key shorter than that sees only the group), short
                        user turns; load, not the key, is what this one tests
+``mixed``              one fleet serving several of the above at once (by default
+                       trace-like conversations, RAG, system prompts, code and unique
+                       prompts), all bursty, all with heavy-tailed outputs: one set of
+                       defaults must suit every kind of traffic at the same time
 =====================  ======================================================================
 
 Two options every workload shares (:class:`Common`), because they decide whether a
@@ -198,6 +202,100 @@ class GroupPromptsParams(Common):
     user_max: int = 200
     outputs: str = "lognormal"
     output_min: int = 16
+
+
+@dataclass(frozen=True, kw_only=True)
+class MixedParams(Common):
+    """Several workloads on one fleet at once. Each arrival is one part's next request or
+    conversation, drawn by the parts' shares; the parts keep their own prefixes and sizes
+    (their defaults, their pools scaled by ``pool_scale``), and the mix sets what traffic
+    has in common: one arrival process (so every part sends until the run ends, and bursts
+    hit all of them), the seed and the output lengths."""
+
+    requests: int = 4000
+    parts: str = "trace-like:0.4,rag:0.2,system-prompt:0.2,code:0.1,unique:0.1"
+    """``workload:share`` pairs: each part's expected share of the requests (conversation
+    turns count one each; shares are normalized)."""
+    pool_scale: float = 1.0
+    """Multiplies each part's pool of prompts, documents, files or groups."""
+    think_mean_s: float = 0.0
+    """Think time between a conversation's turns (0: each part's own default)."""
+    arrivals: str = "gamma"
+    outputs: str = "lognormal"
+    output_min: int = 16
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        if self.pool_scale <= 0 or self.think_mean_s < 0:
+            raise ValueError("need pool_scale > 0 and think_mean_s >= 0")
+        mix_parts(self.parts)
+
+
+POOLS = ("prompts", "docs", "files", "groups")
+"""The fields that size a workload's pool of shared prefixes (``MixedParams.pool_scale``)."""
+
+
+def mix_parts(spec: str) -> list[tuple[str, float]]:
+    """``workload:share`` pairs of a mix, shares normalized to sum to 1."""
+    parts: list[tuple[str, float]] = []
+    for item in filter(None, (x.strip() for x in spec.split(","))):
+        name, _, share = item.partition(":")
+        try:
+            weight = float(share) if share else 1.0
+        except ValueError:
+            raise ValueError(f"mixed: share of {name!r} is not a number: {share!r}") from None
+        if name not in WORKLOADS or name == "mixed":
+            known = ", ".join(w for w in WORKLOADS if w != "mixed")
+            raise ValueError(f"mixed: unknown part {name!r}; known: {known}")
+        if not (weight > 0 and math.isfinite(weight)):
+            raise ValueError(f"mixed: share of {name!r} must be > 0, got {share!r}")
+        if name in (n for n, _ in parts):
+            raise ValueError(f"mixed: part {name!r} given twice")
+        parts.append((name, weight))
+    if not parts:
+        raise ValueError("mixed: no parts")
+    total = sum(w for _, w in parts)
+    return [(name, w / total) for name, w in parts]
+
+
+def mean_turns(params: Common) -> float:
+    """Requests per arrival a workload sends on average: its conversations' mean turns."""
+    if isinstance(params, TraceLikeParams):
+        return params.turns_mean
+    if isinstance(params, ChatParams):
+        return (params.turns_min + params.turns_max) / 2
+    return 1.0
+
+
+def _part_params(p: MixedParams, name: str) -> Common:
+    """Part ``name`` of the mix: its own defaults, sized and shaped by the mix."""
+    cls = WORKLOADS[name][0]
+    defaults = vars(cls())
+    overrides: dict[str, Any] = {f.name: getattr(p, f.name) for f in dataclasses.fields(Common)}
+    overrides.update({k: max(1, round(defaults[k] * p.pool_scale)) for k in POOLS if k in defaults})
+    if p.think_mean_s and "think_mean_s" in defaults:
+        overrides["think_mean_s"] = p.think_mean_s
+    return cls(**overrides)
+
+
+def _mixed(p: MixedParams) -> Iterator[Arrival]:
+    """Arrivals at the mix's rate of requests, each drawn from a part with probability
+    ``share / mean turns`` (so the parts' shares of requests are their shares), carrying
+    that part's next arrival's requests; the last is cut to ``requests``."""
+    rng = random.Random(f"{p.seed}:mixed")
+    parts = [(name, share, _part_params(p, name)) for name, share in mix_parts(p.parts)]
+    weights = [share / mean_turns(params) for _, share, params in parts]
+    streams = [iter(WORKLOADS[name][1](params)) for name, _, params in parts]
+    per_arrival = 1.0 / sum(weights)  # the mean turns of an arrival of the mix
+    remaining = p.requests
+    for t in _arrival_times(rng, p.rate / per_arrival, p):
+        i = rng.choices(range(len(parts)), weights)[0]
+        arrival = next(streams[i])
+        turns = arrival.turns[:remaining]
+        remaining -= len(turns)
+        yield Arrival(arrival_s=t, group=f"{parts[i][0]}/{arrival.group}", turns=turns)
+        if remaining <= 0:
+            return
 
 
 # -- shared pieces --------------------------------------------------------------------------
@@ -404,6 +502,10 @@ def group_prompts(p: GroupPromptsParams) -> Workload:
     return Workload("group-prompts", p.requests, lambda: _group_prompts(p))
 
 
+def mixed(p: MixedParams) -> Workload:
+    return Workload("mixed", p.requests, lambda: _mixed(p))
+
+
 def code(p: CodeParams) -> Workload:
     return Workload("code", p.requests, lambda: _code(p))
 
@@ -424,6 +526,7 @@ WORKLOADS: Mapping[str, tuple[type[Common], Generator]] = {
     "long-system-chat": (LongSystemChatParams, long_system_chat),
     "trace-like": (TraceLikeParams, trace_like),
     "group-prompts": (GroupPromptsParams, group_prompts),
+    "mixed": (MixedParams, mixed),
 }
 
 

@@ -44,7 +44,11 @@ CONVERSATIONS = {"chat", "long-system-chat", "trace-like"}
 """Workloads whose arrivals are conversations (their later turns follow the answers)."""
 
 
-@pytest.mark.parametrize("name", sorted(WORKLOADS))
+SINGLE = sorted(set(WORKLOADS) - {"mixed"})
+"""Workloads of one kind of traffic (``mixed`` superposes them)."""
+
+
+@pytest.mark.parametrize("name", SINGLE)
 def test_arrivals_at_the_rate(name: str) -> None:
     workload = generate(name, {"requests": 2000, "rate": 5.0})
     times = [a.arrival_s for a in workload]
@@ -59,9 +63,9 @@ def test_arrivals_at_the_rate(name: str) -> None:
 @pytest.mark.parametrize("name", sorted(WORKLOADS))
 def test_defaults_older_workloads_poisson_uniform_newer_heavy_tailed(name: str) -> None:
     params = make_params(name)
-    new = name in ("long-system-chat", "trace-like", "group-prompts")
+    new = name in ("long-system-chat", "trace-like", "group-prompts", "mixed")
     assert params.outputs == ("lognormal" if new else "uniform")
-    assert params.arrivals == ("gamma" if name == "trace-like" else "poisson")
+    assert params.arrivals == ("gamma" if name in ("trace-like", "mixed") else "poisson")
 
 
 def gaps(times: list[float]) -> list[float]:
@@ -268,3 +272,62 @@ def test_parameters_are_checked_and_converted() -> None:
         make_params("chat", {"arrivals": "hawkes"})
     with pytest.raises(ValueError, match="output_median"):
         make_params("chat", {"output_median": 10_000})
+
+
+def parts_of(workload: Workload) -> dict[str, list[Arrival]]:
+    out: dict[str, list[Arrival]] = defaultdict(list)
+    for a in workload:
+        out[a.group.split("/", 1)[0]].append(a)
+    return out
+
+
+def test_a_mix_sends_each_part_its_share_from_one_arrival_process() -> None:
+    mix = generate(
+        "mixed",
+        {"requests": 6000, "rate": 8.0, "arrivals": "poisson", "parts": "rag:3,unique:1,chat:1"},
+    )
+    parts = parts_of(mix)
+    turns = {name: sum(len(a.turns) for a in arrivals) for name, arrivals in parts.items()}
+    assert sum(turns.values()) == mix.num_requests == 6000
+    for name, share in (("rag", 0.6), ("unique", 0.2), ("chat", 0.2)):
+        assert turns[name] / 6000 == pytest.approx(share, abs=0.03)
+    times = [a.arrival_s for a in mix]
+    assert times == sorted(times)
+    assert 6000 / times[-1] == pytest.approx(8.0, rel=0.1)  # requests a second, turns counted
+    # one process: every part keeps sending until the run ends (the window of a capacity
+    # probe ends at the last arrival, and a part that had stopped would be missing from it)
+    for arrivals in parts.values():
+        assert arrivals[-1].arrival_s > 0.95 * times[-1]
+
+
+def test_a_mix_keeps_each_parts_prefixes_and_gives_them_its_own_shape() -> None:
+    overrides = {"requests": 400, "rate": 10.0, "parts": "system-prompt:1,rag:1"}
+    mix = parts_of(generate("mixed", {**overrides, "pool_scale": 0.5}))
+    alone = generate("system-prompt", {"requests": 200, "rate": 5.0, "prompts": 24})
+    # the part is the workload itself, with the mix's shape: lognormal outputs, gamma gaps
+    assert {a.turns[0].messages[0] for a in mix["system-prompt"]} <= {
+        a.turns[0].messages[0] for a in alone
+    }
+    assert len({a.group for a in mix["system-prompt"]}) <= 24  # 48 prompts x 0.5
+    assert len({a.group for a in mix["rag"]}) <= 48  # 96 documents x 0.5
+    outputs = [t.max_tokens for arrivals in mix.values() for a in arrivals for t in a.turns]
+    assert max(outputs) > 4 * statistics.median(outputs)  # heavy-tailed, not 64-256
+    keys = {name: {key_of(a) for a in arrivals} for name, arrivals in mix.items()}
+    assert not keys["system-prompt"] & keys["rag"]
+
+
+@pytest.mark.parametrize(
+    ("parts", "error"),
+    [
+        ("rag:1,nope:1", "unknown part 'nope'"),
+        ("rag:1,mixed:1", "unknown part 'mixed'"),
+        ("rag:x", "not a number"),
+        ("rag:0", "must be > 0"),
+        ("rag:nan", "must be > 0"),
+        ("rag:1,rag:2", "given twice"),
+        (" , ", "no parts"),
+    ],
+)
+def test_a_mix_refuses_parts_it_cannot_build(parts: str, error: str) -> None:
+    with pytest.raises(ValueError, match=error):
+        make_params("mixed", {"parts": parts})

@@ -76,6 +76,7 @@ WORKLOADS: dict[str, list[str]] = {
     "group-prompts": [*SINGLE_TURN, "--start", "25,prefix=50,prefix-spill=40"],
     "hot-prefix": [*SINGLE_TURN, "--start", "15,prefix=20,prefix-spill=20"],
     "unique": [*SINGLE_TURN, "--start", "22"],
+    "mixed": [*MULTI_TURN, "--start", "20,prefix=30,prefix-spill=45,cache-aware=45"],
 }
 """Per workload: how each run is sized and where each policy's search starts (a guess near
 its knee; a poor start costs a bracketing step or two, not accuracy). Workloads are sized as

@@ -58,11 +58,12 @@ FIXED_LENGTHS = (1024, 4096, 8192, 16384, 32768)
 OLD = "e67dc7e"
 """The round-1 router (fixed 1 KiB key, threshold on requests in flight)."""
 
-SCALE = {
+SCALE: dict[str, dict[str, int | float]] = {
     "system-prompt": {"prompts": 168},
     "rag": {"docs": 336},
     "code": {"files": 168},
     "hot-prefix": {"prompts": 168},
+    "mixed": {"pool_scale": 3.5},
 }
 """The six older workloads were sized for instances of 131K KV tokens; here each holds
 460K (3.5x), so their pools of prompts, documents and files are 3.5x larger: what one
@@ -79,6 +80,7 @@ RATES: dict[str, float] = {
     "long-system-chat": 300.0,
     "trace-like": 30.0,
     "group-prompts": 27.76,
+    "mixed": 22.0,
 }
 """Requests per second at which round robin keeps the 8 instances 55-65% busy with
 prefill (``calibrate``; the report prints what each full RR run measured). Two cannot
@@ -96,6 +98,7 @@ REQUESTS = {
     "hot-prefix": 3000,
     "long-system-chat": 4800,
     "trace-like": 6000,
+    "mixed": 6000,
 }
 """Requests per run (group-prompts: its 2,048)."""
 
@@ -103,6 +106,7 @@ THINK = {
     "chat": {"think_mean_s": 2.0},
     "long-system-chat": {"think_mean_s": 2.0},
     "trace-like": {"think_mean_s": 4.0},
+    "mixed": {"think_mean_s": 4.0},
 }
 """Conversations with their default think times (10-20 s) send a turn every 15-30 s, and
 the fleet is busy only with many at once: 600 conversations of long-system-chat kept these
@@ -120,6 +124,7 @@ SHARED = (
     "long-system-chat",
     "trace-like",
     "group-prompts",
+    "mixed",
 )
 """Workloads whose requests share prefixes (the hit-rate goal applies)."""
 P50_GOAL = ("long-system-chat", "rag", "trace-like", "system-prompt", "group-prompts")
