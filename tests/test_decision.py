@@ -79,10 +79,51 @@ def test_choose(
     assert choose(candidates, 1000, rule, bound) == expected
 
 
+BUSY_AWARE = dataclasses.replace(
+    NO_THRESHOLD, miss_weight=100.0, idle_miss_weight=10.0, busy_backlog_s=0.2
+)
+
+
+@pytest.mark.parametrize(
+    ("median_backlog_s", "weight"), [(0.0, 10), (0.05, 32.5), (0.1, 55), (0.2, 100), (9, 100)]
+)
+def test_a_miss_counts_more_as_the_median_candidate_queues_more(
+    median_backlog_s: float, weight: float
+) -> None:
+    assert BUSY_AWARE.miss_weight_at(median_backlog_s) == pytest.approx(weight)
+
+
+def test_the_idle_weight_is_never_above_the_busy_one() -> None:
+    low = dataclasses.replace(BUSY_AWARE, miss_weight=3.0)
+    assert low.miss_weight_at(0.0) == low.miss_weight_at(1.0) == 3.0
+    assert dataclasses.replace(BUSY_AWARE, idle_miss_weight=None).miss_weight_at(0.0) == 100
+
+
+@pytest.mark.parametrize(
+    ("others_backlog", "expected"),
+    [
+        # a burst on the holder while the rest of the fleet is idle: the median candidate
+        # has nothing queued, a miss counts 10x, and an idle instance computes it sooner
+        # (2.0 + 0.9 s at the holder against 1.0 + 9 x 0.1 s)
+        (0.0, 1),
+        # the fleet busy (the median has 0.5 s queued): a miss counts 100x and the request
+        # stays on its cache (2.9 s against 0.5 + 1.0 + 99 x 0.1 s)
+        (0.5, 0),
+    ],
+)
+def test_a_holder_keeps_its_requests_unless_the_fleet_has_prefill_to_spare(
+    others_backlog: float, expected: int
+) -> None:
+    holder = c(cached=100, backlog=2.0)
+    others = [c(backlog=others_backlog) for _ in range(4)]
+    assert choose([holder, *others], 1000, BUSY_AWARE, 99) == expected
+
+
 def test_the_default_rule_keeps_cache_hits_home_and_has_no_threshold() -> None:
     rule = DecisionRule.from_config(RouterConfig())
     assert rule.threshold is None and rule.waiting_kept == MAX_WAITING_TRACKED
     assert rule.miss_weight == 100
+    assert (rule.idle_miss_weight, rule.busy_backlog_s) == (10, 0.2)
     # a holder with 5 s of queue keeps a request its cache saves 50 tokens, 0.05 s (x 100)
     holder, idle = c(cached=50, backlog=4.9, waiting=300), c()
     assert choose([holder, idle], 1000, rule, 99) == 0
@@ -228,14 +269,28 @@ def test_a_conversation_goes_where_its_last_turn_and_the_answer_to_it_are_cached
     assert second.cached_tokens == len(rendered) // 4
 
 
-def test_a_busy_holder_loses_to_an_idle_instance_when_its_queue_outweighs_its_cache() -> None:
+@pytest.mark.parametrize(
+    ("others_busy_s", "keeps_s", "spills_s"),
+    [
+        # the rest of the fleet idle: the holder's cache saves 1,768 tokens, 1.8 s at
+        # 1,000 tokens/s, which counts 10 times (idle_miss_weight) ...
+        (0.0, 17.0, 18.0),
+        # ... and 100 times (miss_weight) when the other instances have prefill queued
+        (1.0, 170.0, 180.0),
+    ],
+)
+def test_a_busy_holder_loses_to_an_idle_instance_when_its_queue_outweighs_its_cache(
+    others_busy_s: float, keeps_s: float, spills_s: float
+) -> None:
     fleet = Fleetwide()
     home = fleet.route(text("hot", 8000)).instance
     fleet.now = 1000.0
-    # its cache saves 1,768 tokens, 1.8 s at 1,000 tokens/s, which counts 100 times
-    fleet.works[home] = InstanceWork(busy_until=fleet.now + 170.0, ends=(fleet.now + 170.0,))
+    for i in range(len(FLEET.instances)):
+        if i != home and others_busy_s:
+            fleet.works[i] = InstanceWork(fleet.now + others_busy_s, (fleet.now + others_busy_s,))
+    fleet.works[home] = InstanceWork(busy_until=fleet.now + keeps_s, ends=(fleet.now + keeps_s,))
     assert fleet.route(text("hot", 8000) + b"!").outcome is Outcome.HOME
-    fleet.works[home] = InstanceWork(busy_until=fleet.now + 180.0, ends=(fleet.now + 180.0,))
+    fleet.works[home] = InstanceWork(busy_until=fleet.now + spills_s, ends=(fleet.now + spills_s,))
     d = fleet.route(text("hot", 8000) + b"?")
     assert d.outcome is Outcome.SPILLED and d.instance != home
     assert d.cached_tokens == 0 and d.prefill_tokens == 8001 // 4

@@ -86,6 +86,22 @@ class SpillConfig(_Frozen):
         "unless its queue is 100x what its cache saves, and the in-flight bound spreads "
         "load).",
     )
+    idle_miss_weight: float = Field(
+        10.0,
+        ge=1.0,
+        le=10_000.0,
+        description="What a miss counts instead while the fleet has prefill to spare: when "
+        "the median candidate has nothing queued. It rises linearly to miss_weight as that "
+        "queue reaches busy_backlog_ms (never above miss_weight), so a burst on one "
+        "instance spills to idle ones while a busy fleet keeps every request on its cache.",
+    )
+    busy_backlog_ms: float = Field(
+        200.0,
+        gt=0.0,
+        le=600_000.0,
+        description="Prefill queued on the median candidate at which a miss counts the "
+        "whole miss_weight.",
+    )
 
 
 class PlacementConfig(_Frozen):

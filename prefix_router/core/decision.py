@@ -29,14 +29,25 @@ score
     plus its own uncached prefill, ``backlog_s + (prompt - cached) / rate``, plus what the
     fleet pays for a miss: the prefill beyond the least any candidate needs delays every
     request that queues behind it there, and every later request of the prefix, which
-    now has a copy to fill in one more cache, so it counts ``miss_weight`` times (100).
-    Cache and load are weighed in one unit: a holder wins unless its queue is longer than
-    what its cache saves a hundred times over. In practice the score places a prefix
-    nobody holds (all candidates need the same prefill: the shortest queue wins) and the
-    in-flight bound spreads load. With a weight of 3, requests left their holders for each
-    other's instances near capacity, each computing a 4,000-token document again, until
-    every queue was long (a spill cascade: RAG in the simulation served 88 requests/s
-    within its TTFT objective; 188 with 100 and no threshold, as pure affinity does).
+    now has a copy to fill in one more cache, so it counts ``miss_weight`` times (100)
+    when the fleet is busy. Cache and load are weighed in one unit: a holder wins unless
+    its queue is longer than what its cache saves a hundred times over. With a weight of
+    3, requests left their holders for each other's instances near capacity, each
+    computing a 4,000-token document again, until every queue was long (a spill cascade:
+    RAG in the simulation served 88 requests/s within its TTFT objective; 188 with 100
+    and no threshold, as pure affinity does).
+
+    How busy the fleet is, is read from the median candidate's queued prefill: with
+    nothing queued there a miss counts ``idle_miss_weight`` (10), rising linearly to
+    ``miss_weight`` at ``busy_backlog_s`` (200 ms). A burst that lands on one instance
+    (a conversation's holder, a hot document's) leaves the median idle, and the requests
+    queued behind it go to instances that can compute their misses at once; when most
+    instances are busy, recomputing is what the fleet cannot afford, and every request
+    stays on its cache. The median, not the mean: the burst's own queue would lift the
+    mean. (A fleet serving five kinds of traffic at once, `mixed` in the simulation: P99
+    TTFT 1.5-3.5 s with a fixed weight of 100 and 1.2-1.5 s with this, the hit rate at
+    99-100% of the bound; a fixed weight of 10 did as well there but collapsed RAG and code
+    at their capacity, where this rule keeps them.)
 pick
     The lowest score; ties go to the earlier candidate (the deeper holder, or the ring's
     order), so with no load the result is plain prefix affinity and consistent hashing.
@@ -105,7 +116,21 @@ class DecisionRule:
     slots_log2: int
     miss_weight: float = 1.0
     """How many times the prefill a candidate adds beyond the least any candidate needs
-    counts in its score (:func:`choose`)."""
+    counts in its score (:func:`choose`) when the fleet is busy."""
+    idle_miss_weight: float | None = None
+    """What it counts when the median candidate has no prefill queued (None: as busy)."""
+    busy_backlog_s: float = 0.2
+    """The median candidate's queued prefill at which a miss counts ``miss_weight``."""
+
+    def miss_weight_at(self, median_backlog_s: float) -> float:
+        """What a miss counts when the median candidate has ``median_backlog_s`` of
+        prefill queued: ``idle_miss_weight`` at none, rising linearly to ``miss_weight`` at
+        ``busy_backlog_s`` and above (never more than ``miss_weight``)."""
+        busy = self.miss_weight
+        idle = busy if self.idle_miss_weight is None else min(self.idle_miss_weight, busy)
+        if median_backlog_s >= self.busy_backlog_s:
+            return busy
+        return idle + (busy - idle) * max(0.0, median_backlog_s) / self.busy_backlog_s
 
     @property
     def waiting_limit(self) -> float:
@@ -126,6 +151,8 @@ class DecisionRule:
             placement_width=config.placement.width,
             slots_log2=config.index.slots_log2,
             miss_weight=config.spill.miss_weight,
+            idle_miss_weight=config.spill.idle_miss_weight,
+            busy_backlog_s=config.spill.busy_backlog_ms / 1000,
         )
 
 
@@ -212,7 +239,8 @@ def choose(
             return 0  # the deepest holder
         return min(range(len(candidates)), key=lambda i: candidates[i].backlog_s)
     least = max(0, prompt_tokens - max([c.cached_tokens for c in candidates]))
-    extra = rule.miss_weight - 1.0
+    backlogs = sorted([c.backlog_s for c in candidates])
+    extra = rule.miss_weight_at(backlogs[len(backlogs) // 2]) - 1.0
     limit = rule.waiting_limit
     best, best_key, best_rank = 0, (0.0, 0), 3
     for i, (_, cached, backlog_s, waiting, in_flight, rate) in enumerate(candidates):
