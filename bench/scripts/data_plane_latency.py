@@ -31,6 +31,7 @@ req/s over Envoy alone's at 16, and CPU a request over the baseline's.
 from __future__ import annotations
 
 import argparse
+import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
@@ -68,6 +69,21 @@ def local_redis_pid(url: str) -> int | None:
     return pid if Path(f"/proc/{pid}").exists() else None
 
 
+def median_rounds(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Each path's figures, each the median over rounds (errors: the sum)."""
+    return {
+        name: {
+            stat: (
+                sum(r[name][stat] for r in rounds)
+                if stat == "errors"
+                else statistics.median(r[name][stat] for r in rounds)
+            )
+            for stat in rounds[0][name]
+        }
+        for name in rounds[0]
+    }
+
+
 def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__)
     parser.add_argument("--ext-procs", type=int, default=1)
@@ -75,6 +91,16 @@ def main() -> None:
     parser.add_argument("--envoy-concurrency", type=int, default=2)
     parser.add_argument("--redis-url", help="share counts through Redis (full decision path)")
     parser.add_argument("--baseline", help="a checkout whose ext_proc is measured too")
+    parser.add_argument(
+        "--rounds",
+        type=int,
+        default=1,
+        help="measure concurrency 1 in this many rounds, the paths taking turns in each, and "
+        "report each path's median round (the machine drifts more than the paths differ)",
+    )
+    parser.add_argument(
+        "--latency-only", action="store_true", help="concurrency 1 only (no req/s, no CPU)"
+    )
     args = parser.parse_args()
     paths = dict(PATHS)
     if args.baseline:
@@ -159,12 +185,19 @@ def main() -> None:
         rows, ratios = [], []
         for size in (1024, 64 * 1024):
             body = chat_body(size)
-            latency = {
-                name: run_wrk(url, body, connections=1, threads=1, seconds=args.seconds)
-                for name, url in urls.items()
-            }
+            latency = median_rounds(
+                [
+                    {
+                        name: run_wrk(url, body, connections=1, threads=1, seconds=args.seconds)
+                        for name, url in urls.items()
+                    }
+                    for _ in range(args.rounds)
+                ]
+            )
             rate, cpu_us, envoy_us, redis_us = {}, {}, {}, {}
             for name, url in urls.items():
+                if args.latency_only:
+                    continue
                 redis = redis_pid if name in USES_REDIS else None
                 watched = {
                     "ext_proc": pids[name],
@@ -183,37 +216,54 @@ def main() -> None:
                     redis_us[name] = used["redis"]
             direct = latency["direct"]
             added_p50 = {n: latency[n]["p50"] - direct["p50"] for n in urls if n != "direct"}
-            ratios.append(
+            ratio = (
                 f"{size // 1024} KB: ext_proc added p50 / bare's = "
                 f"**{added_p50['ext_proc'] / added_p50['bare']:.2f}** (our server answering at "
-                f"once: {added_p50['floor'] / added_p50['bare']:.2f}); stack req/s (c16) / Envoy "
-                f"alone's = **{rate['ext_proc']['rps'] / rate['direct']['rps']:.2f}**"
+                f"once: {added_p50['floor'] / added_p50['bare']:.2f}"
                 + (
-                    f"; CPU a request / baseline's = "
-                    f"**{cpu_us['ext_proc'] / cpu_us['baseline']:.2f}**"
-                    if "baseline" in cpu_us
+                    f"; the baseline: {added_p50['baseline'] / added_p50['bare']:.2f}"
+                    if "baseline" in added_p50
                     else ""
                 )
+                + ")"
             )
+            if not args.latency_only:
+                ratio += (
+                    f"; stack req/s (c16) / Envoy alone's = "
+                    f"**{rate['ext_proc']['rps'] / rate['direct']['rps']:.2f}**"
+                )
+            if "baseline" in cpu_us:
+                ratio += (
+                    f"; CPU a request / baseline's = "
+                    f"**{cpu_us['ext_proc'] / cpu_us['baseline']:.2f}**"
+                )
+            ratios.append(ratio)
             for name, label in paths.items():
-                r, t = latency[name], rate[name]
+                r, t = latency[name], rate.get(name, {"rps": float("nan"), "errors": 0.0})
                 added = ["-", "-"]
                 cpu = "-"
                 if name != "direct":
                     added = [f"**{r[q] - direct[q]:+.2f}**" for q in ("p50", "p99")]
-                    cpu = f"{cpu_us[name]:.0f} us = **{1e6 / cpu_us[name]:,.0f}**"
+                    if name in cpu_us:
+                        cpu = f"{cpu_us[name]:.0f} us = **{1e6 / cpu_us[name]:,.0f}**"
                 redis_cpu = f"{redis_us[name]:.0f} us" if name in redis_us else "-"
+                envoy_cpu = f"{envoy_us[name]:.0f} us" if name in envoy_us else "-"
                 rows.append(
                     f"| {size // 1024} KB | {label} | {r['p50']:.2f} | {r['p99']:.2f} | "
                     f"{added[0]} | {added[1]} | **{t['rps']:.0f}** | {cpu} | "
-                    f"{envoy_us[name]:.0f} us | {redis_cpu} | {int(r['errors'] + t['errors'])} |"
+                    f"{envoy_cpu} | {redis_cpu} | {int(r['errors'] + t['errors'])} |"
                 )
         table = "\n".join(
             [
                 run_heading(),
                 "",
                 f"ext_proc processes: {args.ext_procs}; Envoy workers: {args.envoy_concurrency}; "
-                f"load store: {'Redis' if args.redis_url else 'in-process'}",
+                f"load store: {'Redis' if args.redis_url else 'in-process'}"
+                + (
+                    f"; concurrency 1: the median of {args.rounds} rounds of {args.seconds} s"
+                    if args.rounds > 1
+                    else ""
+                ),
                 "",
                 "| body | path | p50 ms | p99 ms | added p50 ms | added p99 ms "
                 "| req/s (c16) | ext_proc CPU a request = req/s a core | Envoy CPU a request "
