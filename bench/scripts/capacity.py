@@ -125,6 +125,7 @@ LIVE_MULTI_TURN: dict[str, tuple[list[str], float, float]] = {
     "chat": (["--set", "think_mean_s=2.0"], 30.0, 0.2),
     "long-system-chat": (["--set", "think_mean_s=2.0"], 11.0, 0.3),
     "trace-like": (["--set", "think_mean_s=4.0"], 4.5, 0.85),
+    "mixed": (["--set", "pool_scale=0.875", "--set", "think_mean_s=4.0"], 5.5, 0.45),
 }
 """Multi-turn workloads checked live at one rate each, not at a knee: ``(args, rate, time
 scale)``. A run that reaches their steady state is ~10,000 requests (hours at a time scale
@@ -133,7 +134,8 @@ conversations live and in the DES; the time scale keeps the stack near
 :data:`LIVE_REAL_RATE` requests per wall second or below (2 instances serve 12, 4 and 3
 requests/s of these runs: turns wait for answers and think times). long-system-chat at
 time scale 0.6 (2.4 requests per wall second): P50 63.2 ms live, 55.0 in the DES (1.15x),
-hit rate 0.944 both, P99 1.01x; hence half that."""
+hit rate 0.944 both, P99 1.01x; hence half that. The mix runs at a quarter of
+routing_defaults.py's rate and pools (22 requests/s, pool scale 3.5, on 8 instances)."""
 
 
 def live_time_scale(knee: float) -> float:
@@ -378,10 +380,12 @@ def write_live(rows: list[str]) -> None:
         " runs are byte-identical to those with the defaults before; their knees were not"
         " searched again). RAG's and code's rows at 0.8 x their knee ran with the same"
         " defaults in stop 36; at those rates 1,200 requests last 15-32 model seconds, so"
-        " their judged half is still the cold start too (code's P50 of 0.9-1.1 s). Every"
-        " other row ran with the defaults before (miss weight 3, ConcurrencyThreshold 256),"
-        " whose decisions are the same code live and in the DES; 'x knee' is the fraction of"
-        " today's knee.",
+        " their judged half is still the cold start too (code's P50 of 0.9-1.1 s). The"
+        " mixed row ran in stop 41 with today's defaults (a miss weighted by the median"
+        " candidate's queued prefill, stop 40), at a quarter of routing_defaults.py's rate"
+        " and pools. Every other row ran with the defaults before (miss weight 3,"
+        " ConcurrencyThreshold 256), whose decisions are the same code live and in the DES;"
+        " 'x knee' is the fraction of today's knee.",
         "",
         "| workload | measure | DES | live | live / DES |",
         "|---|---|---|---|---|",
