@@ -383,7 +383,8 @@ def write_live(rows: list[str]) -> None:
         " their judged half is still the cold start too (code's P50 of 0.9-1.1 s). The"
         " mixed row ran in stop 41 with today's defaults (a miss weighted by the median"
         " candidate's queued prefill, stop 40), at a quarter of routing_defaults.py's rate"
-        " and pools. Every other row ran with the defaults before (miss weight 3,"
+        " and pools, and so did the trace-like row again (its DES run byte-identical to"
+        " stop 34's). Every other row ran with the defaults before (miss weight 3,"
         " ConcurrencyThreshold 256), whose decisions are the same code live and in the DES;"
         " 'x knee' is the fraction of today's knee.",
         "",
