@@ -248,7 +248,7 @@ def live(chosen: list[str], fraction: float = 1.0) -> None:
         ]
         run(["des", *same])
         run(["run", *same, "--time-scale", f"{scale:g}", "--ext-procs", "1"])
-    live_report(chosen)
+    live_report()
 
 
 def live_point(name: str, fraction: float = 1.0) -> tuple[list[str], float, float] | None:
@@ -266,11 +266,12 @@ def live_point(name: str, fraction: float = 1.0) -> tuple[list[str], float, floa
     return LIVE_WORKLOADS[name][0], rate, live_time_scale(rate)
 
 
-def live_report(chosen: list[str]) -> None:
-    """``live.md`` from the saved live and DES runs (``live`` ends with it)."""
+def live_report() -> None:
+    """``live.md`` from every saved live and DES run (``live`` ends with it, so checking
+    one workload again keeps the others' rows)."""
     rows: list[str] = []
     for fraction in (1.0, BELOW_KNEE):
-        for name in chosen:
+        for name in [*LIVE_WORKLOADS, *LIVE_MULTI_TURN]:
             if not (live_folder(fraction) / name / "live-prefix-spill.json").exists():
                 continue
             point = live_point(name, fraction)
@@ -433,7 +434,7 @@ def main() -> None:
     elif args.part == "live":
         live(checked, BELOW_KNEE if args.below_knee else 1.0)
     elif args.part == "live-report":
-        live_report(checked)
+        live_report()
     elif args.part == "seed-spread":
         seed_spread(checked)
     else:
