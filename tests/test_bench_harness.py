@@ -7,8 +7,8 @@ import re
 
 import psutil
 
-from bench.scripts._harness import run_heading
-from bench.scripts.data_plane_latency import local_redis_pid, median_rounds
+from bench.scripts._harness import median_rounds, run_heading
+from bench.scripts.data_plane_latency import local_redis_pid
 from prefix_router.ops.procs import free_port
 from tests.conftest import REDIS_URL
 

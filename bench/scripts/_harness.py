@@ -7,6 +7,7 @@ import datetime
 import json
 import re
 import shutil
+import statistics
 import subprocess
 import sys
 import tempfile
@@ -206,3 +207,35 @@ def rss_table(samples: list[tuple[float, dict[str, float]]], names: list[str]) -
             for at, rss in samples
         ],
     ]
+
+
+def median_rounds(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
+    """Each path's figures, each the median over rounds (errors: the sum)."""
+    return {
+        name: {
+            stat: (
+                sum(r[name][stat] for r in rounds)
+                if stat == "errors"
+                else statistics.median(r[name][stat] for r in rounds)
+            )
+            for stat in rounds[0][name]
+        }
+        for name in rounds[0]
+    }
+
+
+def latency_in_rounds(
+    urls: dict[str, str], body: bytes, *, seconds: int, rounds: int
+) -> dict[str, dict[str, float]]:
+    """Each path's wrk figures at concurrency 1, measured in ``rounds`` rounds with the paths
+    taking turns, each figure the median round's (the machine drifts more between two
+    moments than two paths differ)."""
+    return median_rounds(
+        [
+            {
+                name: run_wrk(url, body, connections=1, threads=1, seconds=seconds)
+                for name, url in urls.items()
+            }
+            for _ in range(rounds)
+        ]
+    )

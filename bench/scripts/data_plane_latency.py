@@ -31,12 +31,18 @@ req/s over Envoy alone's at 16, and CPU a request over the baseline's.
 from __future__ import annotations
 
 import argparse
-import statistics
 import tempfile
 from collections.abc import Callable
 from pathlib import Path
 
-from bench.scripts._harness import ROOT, chat_body, cpu_seconds, run_heading, run_wrk
+from bench.scripts._harness import (
+    ROOT,
+    chat_body,
+    cpu_seconds,
+    latency_in_rounds,
+    run_heading,
+    run_wrk,
+)
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.envoy.bootstrap import BootstrapParams
@@ -67,21 +73,6 @@ def local_redis_pid(url: str) -> int | None:
     except (redis.RedisError, OSError, KeyError, ValueError):
         return None
     return pid if Path(f"/proc/{pid}").exists() else None
-
-
-def median_rounds(rounds: list[dict[str, dict[str, float]]]) -> dict[str, dict[str, float]]:
-    """Each path's figures, each the median over rounds (errors: the sum)."""
-    return {
-        name: {
-            stat: (
-                sum(r[name][stat] for r in rounds)
-                if stat == "errors"
-                else statistics.median(r[name][stat] for r in rounds)
-            )
-            for stat in rounds[0][name]
-        }
-        for name in rounds[0]
-    }
 
 
 def main() -> None:
@@ -185,15 +176,7 @@ def main() -> None:
         rows, ratios = [], []
         for size in (1024, 64 * 1024):
             body = chat_body(size)
-            latency = median_rounds(
-                [
-                    {
-                        name: run_wrk(url, body, connections=1, threads=1, seconds=args.seconds)
-                        for name, url in urls.items()
-                    }
-                    for _ in range(args.rounds)
-                ]
-            )
+            latency = latency_in_rounds(urls, body, seconds=args.seconds, rounds=args.rounds)
             rate, cpu_us, envoy_us, redis_us = {}, {}, {}, {}
             for name, url in urls.items():
                 if args.latency_only:

@@ -30,8 +30,7 @@ from pathlib import Path
 ROOT = Path(__file__).resolve().parents[2]
 sys.path.insert(0, str(ROOT))
 
-from bench.scripts._harness import chat_body, run_heading, run_wrk  # noqa: E402
-from bench.scripts.data_plane_latency import median_rounds  # noqa: E402
+from bench.scripts._harness import chat_body, latency_in_rounds, run_heading, run_wrk  # noqa: E402
 from prefix_router.ops.launch import start_module  # noqa: E402
 from prefix_router.ops.procs import free_port  # noqa: E402
 from prefix_router.ops.up import Stack, resolve_settings  # noqa: E402
@@ -84,15 +83,7 @@ def main() -> None:
         rows, ratios = [], []
         for size in (1024, 64 * 1024):
             body = chat_body(size)
-            latency = median_rounds(
-                [
-                    {
-                        name: run_wrk(url, body, connections=1, threads=1, seconds=args.seconds)
-                        for name, url in urls.items()
-                    }
-                    for _ in range(args.rounds)
-                ]
-            )
+            latency = latency_in_rounds(urls, body, seconds=args.seconds, rounds=args.rounds)
             rate = {
                 name: run_wrk(url, body, connections=16, threads=2, seconds=args.seconds)
                 for name, url in urls.items()
