@@ -222,7 +222,7 @@ def main() -> None:
                 )
             ratios.append(ratio)
             for name, label in paths.items():
-                r, t = latency[name], rate.get(name, {"rps": float("nan"), "errors": 0.0})
+                r, t = latency[name], rate.get(name)
                 added = ["-", "-"]
                 cpu = "-"
                 if name != "direct":
@@ -231,10 +231,12 @@ def main() -> None:
                         cpu = f"{cpu_us[name]:.0f} us = **{1e6 / cpu_us[name]:,.0f}**"
                 redis_cpu = f"{redis_us[name]:.0f} us" if name in redis_us else "-"
                 envoy_cpu = f"{envoy_us[name]:.0f} us" if name in envoy_us else "-"
+                req_s = "-" if t is None else f"**{t['rps']:.0f}**"
+                errors = int(r["errors"] + (0 if t is None else t["errors"]))
                 rows.append(
                     f"| {size // 1024} KB | {label} | {r['p50']:.2f} | {r['p99']:.2f} | "
-                    f"{added[0]} | {added[1]} | **{t['rps']:.0f}** | {cpu} | "
-                    f"{envoy_cpu} | {redis_cpu} | {int(r['errors'] + t['errors'])} |"
+                    f"{added[0]} | {added[1]} | {req_s} | {cpu} | "
+                    f"{envoy_cpu} | {redis_cpu} | {errors} |"
                 )
         table = "\n".join(
             [
