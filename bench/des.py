@@ -148,6 +148,8 @@ class _Pending:
     history: tuple[Message, ...]
     prefill_end: float = 0.0
     """When the router modelled its prefill to end (given back with its release)."""
+    blocks: tuple[int, ...] = ()
+    """Its key's blocks (given back with its release, as ext_proc does)."""
 
 
 @dataclass(frozen=True, slots=True)
@@ -192,6 +194,7 @@ class Simulation:
         """The routing state ext_proc would keep (index, prefill queues), on the virtual clock."""
         self._next_scrape = 0.0
         self._prefill_end = 0.0
+        self._blocks: tuple[int, ...] = ()
         self._cache_aware = CacheAwareRouter()
 
     # -- fleet --------------------------------------------------------------------------
@@ -239,6 +242,7 @@ class Simulation:
         key = extract_key(body, settings=table.key_settings, path=path)
         routed = self._store.route_now(key, table)
         self._prefill_end = routed.prefill_end
+        self._blocks = key.blocks
         return self._engines[routed.instance_id]
 
     def _learn(self, table: RoutingTable) -> None:
@@ -303,7 +307,9 @@ class Simulation:
         engine.peak = max(engine.peak, engine.in_flight)
         engine.requests += 1
         sent = (*history, *turn.messages)
-        self._pending[rid] = _Pending(record, engine, arrival, turn_index, sent, self._prefill_end)
+        self._pending[rid] = _Pending(
+            record, engine, arrival, turn_index, sent, self._prefill_end, self._blocks
+        )
         engine.scheduler.add(seq)
         if engine.plan is None:
             self._step(engine, now)
@@ -354,7 +360,7 @@ class Simulation:
         window[0] += seq.prompt_len
         window[1] += seq.cached_tokens or 0
         pending.engine.in_flight -= 1
-        self._store.release(pending.engine.instance.id, pending.prefill_end)
+        self._store.release(pending.engine.instance.id, pending.prefill_end, pending.blocks)
         arrival, nxt = pending.arrival, pending.turn + 1
         if nxt < len(arrival.turns):
             answer = detokenize_output(seq.tokens[seq.prompt_len : seq.prompt_len + seq.num_output])

@@ -261,5 +261,5 @@ class RequestRouter:
     def finish(self, result: RouteResult) -> None:
         """The request ended (normally or not): give back its in-flight count."""
         if result.reserved is not None and result.store is not None:
-            result.store.release(result.reserved, result.prefill_end)
+            result.store.release(result.reserved, result.prefill_end, result.key.blocks)
             self.callbacks.on_finished(result.reserved)

@@ -16,9 +16,10 @@ from prefix_router.core.decision import (
     Outcome,
     choose,
     in_flight_bound,
+    release_writes,
 )
 from prefix_router.core.fleet import Fleet, Instance
-from prefix_router.core.index import CacheModel, InProcessIndex
+from prefix_router.core.index import CacheModel, InProcessIndex, entries, locate
 from prefix_router.core.key import KeySettings, PrefixKey, extract_key
 from prefix_router.core.table import RoutingTable
 from prefix_router.core.work import MAX_WAITING_TRACKED, InstanceModel, InstanceWork, admit
@@ -303,6 +304,46 @@ def test_an_instance_that_wrote_more_than_its_cache_holds_has_forgotten() -> Non
     w = fleet.work(home)
     fleet.works[home] = InstanceWork(w.busy_until, w.ends, w.written_tokens + 10_000)
     assert fleet.route(text("old", 4000) + b"?").outcome is Outcome.PLACED
+
+
+@pytest.mark.parametrize(
+    ("written_while_answering", "stamped_again"),
+    # the request itself wrote 1,256 tokens (its 1,000-token prompt and 256 of answer); a
+    # quarter of the 10,000-token cache is 2,500
+    [(0, False), (1_200, False), (1_300, True), (50_000, True)],
+)
+def test_a_request_that_ends_stamps_its_blocks_again_once_a_quarter_stale(
+    written_while_answering: int, stamped_again: bool
+) -> None:
+    fleet = Fleetwide(capacity=10_000)
+    body = text("conversation", 4000)
+    home = fleet.route(body).instance
+    w = fleet.work(home)
+    fleet.works[home] = InstanceWork(
+        w.busy_until, w.ends, w.written_tokens + written_while_answering
+    )
+    blocks, tag = fleet.key(body).blocks, TABLE.tags[home]
+    writes = release_writes(blocks, tag, fleet, slots_log2=12)
+    assert len(writes) == (len(blocks) if stamped_again else 0)
+    for write in writes:
+        fleet.index.write(write)
+    now = fleet.cache_model(tag)
+    assert now is not None
+    stamps = {s for b in blocks for t, _, s in entries(fleet.slot(locate(b, 12)[0])) if t == tag}
+    assert (stamps == {now.stamp}) is stamped_again
+    # found where it was: after 50,000 tokens written, only thanks to the writes (without
+    # them: test_an_instance_that_wrote_more_than_its_cache_holds_has_forgotten)
+    fleet.now = 100.0
+    assert fleet.route(body + b"?").outcome is Outcome.HOME
+
+
+def test_a_request_that_ends_on_a_departed_instance_writes_nothing() -> None:
+    fleet = Fleetwide()
+    body = text("conversation", 4000)
+    home = fleet.route(body).instance
+    smaller = Fleet.of([i for n, i in enumerate(FLEET.instances) if n != home], version=2)
+    fleet.table = RoutingTable.build(smaller, CONFIG)
+    assert release_writes(fleet.key(body).blocks, TABLE.tags[home], fleet, slots_log2=12) == ()
 
 
 def test_a_departed_instance_holds_nothing() -> None:

@@ -179,17 +179,17 @@ async def test_replicas_share_the_index_and_the_counts(namespace: str) -> None:
         await two.close()
 
 
-async def fresh(store: RedisStore, body: bytes) -> Routed:
+async def fresh(store: RedisStore, body: bytes, table: RoutingTable = TABLE) -> Routed:
     """Route ``body`` on ``store`` after its copy has caught up with everything written so
     far: a request of its own, whose writes go out with a round trip that reads the log."""
-    warm = await route(store, doc("warm-up") + str(time.monotonic()).encode())
+    warm = await store.route(key(doc("warm-up") + str(time.monotonic()).encode()), table)
     store.release(warm.instance_id)
     seq = store._copy.seq if store._copy else -1
     for _ in range(500):  # the round trip after the writes, within WRITE_DELAY_S
         await asyncio.sleep(0.002)
         if store._copy is not None and store._copy.seq > seq and not store._next:
             break
-    return await route(store, body)
+    return await store.route(key(body), table)
 
 
 async def test_a_replica_decides_at_once_on_its_copy_and_sees_the_others(
@@ -288,7 +288,7 @@ async def test_a_share_in_doubt_is_rewritten_before_the_next_batch(namespace: st
     client = aioredis.Redis.from_url(REDIS_URL)
     try:
         first = await route(store, doc("a"))
-        assert await settled(store, {first.instance_id: 1}) == {first.instance_id: 1}
+        assert await settled(store, {}) == {}  # the release and its writes landed
         # A request Redis counted although the reply was lost, which marks the share in doubt.
         for k in (store.fleet_key, store.share_key):
             await client.hincrby(k, first.instance_id, 1)
@@ -537,3 +537,35 @@ def test_a_clock_scale_is_a_positive_number(text: str, scale: float | None) -> N
         return
     assert parse_clock_scale(text) == scale
     assert scaled_clock(scale)() == pytest.approx(time.monotonic() * scale, rel=1e-3)
+
+
+@pytest.mark.parametrize("ended_with_its_blocks", [True, False])
+async def test_a_prefix_is_as_recent_as_the_end_of_the_request_that_used_it(
+    make_store: StoreFactory, ended_with_its_blocks: bool
+) -> None:
+    """vLLM keeps what a request used until the request ends: a conversation whose answer
+    outlasted a cache's worth of other traffic is still where it was when the answer ends,
+    and its next turn is found there, by this replica and by another one."""
+    small = CONFIG.patched({"instance_defaults": {"kv_cache_tokens": 3000}})
+    table = RoutingTable.build(Fleet.of([Instance("10.0.0.1", 8000)]), small)
+    store, other = await make_store(), await make_store()
+    turn = doc("conversation") + b"first question"
+    first = await store.route(key(turn), table)
+    assert first.decision.outcome is Outcome.PLACED
+    for n in range(4):  # while the answer is generated, 4 x ~1,000 tokens written there
+        routed = await store.route(key(doc(f"other {n}") + b"?"), table)
+        store.release(routed.instance_id)
+    if isinstance(store, RedisStore):  # releases are written on the replica's copy
+        store.release((await fresh(store, doc("warm-up"), table)).instance_id)
+        assert store._copy is not None
+    blocks = key(turn).blocks if ended_with_its_blocks else ()
+    store.release(first.instance_id, first.prefill_end, blocks)
+    if isinstance(store, RedisStore):
+        assert await settled(store, {}) == {}  # the release and its writes landed
+    else:
+        other = store
+    expected = Outcome.HOME if ended_with_its_blocks else Outcome.PLACED
+    for replica in {id(store): store, id(other): other}.values():
+        follows = await replica.route(key(turn + b" answer, second question"), table)
+        replica.release(follows.instance_id)
+        assert follows.decision.outcome is expected

@@ -17,7 +17,10 @@ its KV cache when it last used the block (:mod:`.work`, in units of ``STAMP_TOKE
 
 Forgetting models eviction: an instance's cache holds ``capacity`` tokens and evicts the
 least recently used first, so an entry whose instance has written more than ``capacity``
-tokens since its stamp is gone from that cache (:func:`is_fresh`). vLLM frees a request's
+tokens since its stamp is gone from that cache (:func:`is_fresh`). A request uses its blocks
+until it ends (vLLM frees them then, to the back of its eviction queue), so its entries are
+stamped when it is routed and again when it ends
+(:func:`prefix_router.core.decision.release_writes`). vLLM frees a request's
 blocks tail first, so a cached block's parents are cached too; a holder's depth is
 therefore its deepest fresh entry along the request's chain.
 

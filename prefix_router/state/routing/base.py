@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+from collections.abc import Sequence
 from typing import NamedTuple, Protocol
 
 from prefix_router.core.decision import Decision
@@ -37,9 +38,13 @@ class RoutingStore(Protocol):
         else None: then await :meth:`route`."""
         ...
 
-    def release(self, instance_id: str, prefill_end: float = 0.0) -> None:
+    def release(
+        self, instance_id: str, prefill_end: float = 0.0, blocks: Sequence[int] = ()
+    ) -> None:
         """Count one request on ``instance_id`` as ended (its :attr:`Routed.prefill_end`
-        corrects the instance's modelled queue: :func:`prefix_router.core.work.finished`).
+        corrects the instance's modelled queue: :func:`prefix_router.core.work.finished`)
+        and record that the instance used ``blocks`` (the request's key's) until now
+        (:func:`prefix_router.core.decision.release_writes`).
         Never blocks: stores that talk to a server flush releases in the background."""
         ...
 

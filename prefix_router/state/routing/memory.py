@@ -10,8 +10,9 @@ from __future__ import annotations
 
 import time
 from collections import defaultdict
-from collections.abc import Callable
+from collections.abc import Callable, Sequence
 
+from prefix_router.core.decision import release_writes
 from prefix_router.core.index import CacheModel, InProcessIndex
 from prefix_router.core.key import PrefixKey
 from prefix_router.core.table import RoutingTable
@@ -33,6 +34,8 @@ class InProcessStore:
         """Each instance's cache model as of its last write (the index's view of it)."""
         self._in_flight: defaultdict[str, int] = defaultdict(int)
         self._total = 0
+        self._table: RoutingTable | None = None
+        """The latest request's table: what a release's index write is made on."""
 
     def learn(self, instance_id: str, model: InstanceModel) -> None:
         """Use ``model`` for the instance from now on (its metrics were read)."""
@@ -41,6 +44,7 @@ class InProcessStore:
 
     def route_now(self, key: PrefixKey, table: RoutingTable) -> Routed:
         """:meth:`route`, synchronously (the simulation's event loop calls this)."""
+        self._table = table
         index = self._index_for(table.rule.slots_log2)
         view = _View(self, table, self.clock())
         decision, ring_order = table.decide(key, view)
@@ -68,13 +72,23 @@ class InProcessStore:
     ) -> Routed | None:
         return self.route_now(key, table)
 
-    def release(self, instance_id: str, prefill_end: float = 0.0) -> None:
+    def release(
+        self, instance_id: str, prefill_end: float = 0.0, blocks: Sequence[int] = ()
+    ) -> None:
         if self._in_flight.get(instance_id, 0) > 0:
             self._in_flight[instance_id] -= 1
             self._total -= 1
             work = self._work.get(instance_id)
             if work is not None:
                 self._work[instance_id] = finished(work, self.clock(), prefill_end)
+            table = self._table
+            instance = None if table is None else table.index_of.get(instance_id)
+            if blocks and table is not None and instance is not None:
+                slots_log2 = table.rule.slots_log2
+                view = _View(self, table, self.clock())
+                index = self._index_for(slots_log2)
+                for write in release_writes(blocks, table.tags[instance], view, slots_log2):
+                    index.write(write)
 
     def in_flight_now(self) -> dict[str, int]:
         return {k: v for k, v in self._in_flight.items() if v}

@@ -66,6 +66,7 @@ import logging
 import time
 import uuid
 from collections import Counter
+from collections.abc import Sequence
 from dataclasses import dataclass
 
 import redis.asyncio as aioredis
@@ -73,11 +74,12 @@ from redis.exceptions import ConnectionError as RedisConnectionError
 from redis.exceptions import RedisError
 from redis.exceptions import TimeoutError as RedisTimeoutError
 
-from prefix_router.core.decision import Decision, Outcome
+from prefix_router.core.decision import Decision, Outcome, release_writes
 from prefix_router.core.index import (
     ENTRY_BYTES,
     SLOT_BYTES,
     CacheModel,
+    EntryWrite,
     apply,
     locate,
 )
@@ -295,7 +297,12 @@ class RedisStore:
         self._wake.set()
         return await future
 
-    def release(self, instance_id: str, prefill_end: float = 0.0) -> None:
+    def release(
+        self, instance_id: str, prefill_end: float = 0.0, blocks: Sequence[int] = ()
+    ) -> None:
+        """See :class:`~prefix_router.state.routing.base.RoutingStore`. The index writes
+        for ``blocks`` are made on the copy of the index, so a replica without one (an
+        index over ``COPY_MAX_SLOTS_LOG2``, ``redis_max_staleness_ms`` 0) makes none."""
         if self._local[instance_id] > 0:
             self._local[instance_id] -= 1
             self._next.releases.append((instance_id, prefill_end))
@@ -303,6 +310,8 @@ class RedisStore:
             if view is not None:  # the next decision on it sees the request gone
                 age = asyncio.get_running_loop().time() - self._view_at
                 view.release(instance_id, self._view_now + age * self.clock_scale, prefill_end)
+                if blocks:
+                    self._next.writes += view.record_release(instance_id, blocks)
             self._wake_soon()
 
     async def in_flight(self) -> dict[str, int]:
@@ -747,6 +756,18 @@ class _BatchView:
                 self._admit(i, decided_at, prefill, written, rate, keep)
         for instance_id, end in pending.releases:
             self.release(instance_id, self.now, end)
+
+    def record_release(self, instance_id: str, blocks: Sequence[int]) -> tuple[EntryWrite, ...]:
+        """The index writes of a request on ``instance_id`` with ``blocks`` ending now
+        (:func:`~prefix_router.core.decision.release_writes`), applied to the copy of the
+        index; none without a copy (the round trip read only its decisions' slots)."""
+        i = self.table.index_of.get(instance_id)
+        if self._copy is None or i is None:
+            return ()
+        writes = release_writes(blocks, self.table.tags[i], self, self.table.rule.slots_log2)
+        for write in writes:
+            self._copy.set(write.offset, write.new)
+        return writes
 
     def release(self, instance_id: str, now: float, end: float) -> None:
         """A request on ``instance_id`` ended at ``now`` (its prefill modelled to ``end``),
