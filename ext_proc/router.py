@@ -259,7 +259,12 @@ class RequestRouter:
         return routed, self.local, True
 
     def finish(self, result: RouteResult) -> None:
-        """The request ended (normally or not): give back its in-flight count."""
+        """The request ended (normally or not): give back its in-flight count, and mark
+        its blocks used until now on its instance (``RoutingStore.release``)."""
         if result.reserved is not None and result.store is not None:
-            result.store.release(result.reserved, result.prefill_end, result.key.blocks)
+            try:  # the stores give the count back first, then write the index
+                result.store.release(result.reserved, result.prefill_end, result.key.blocks)
+            except Exception as exc:  # noqa: BLE001 - a request's end must not fail its stream
+                self.callbacks.on_error(exc)
+                log.exception("releasing a request failed")
             self.callbacks.on_finished(result.reserved)

@@ -4,8 +4,9 @@ from __future__ import annotations
 
 import json
 from collections import Counter
+from collections.abc import Sequence
 
-from ext_proc.router import PendingRoute, RequestRouter, RouteResult
+from ext_proc.router import PendingRoute, RequestRouter, RouterCallbacks, RouteResult
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.decision import Outcome
 from prefix_router.core.fleet import Fleet, Instance
@@ -31,6 +32,29 @@ class DownStore(InProcessStore):
 
     def route_at_once(self, *args: object, **kwargs: object) -> Routed | None:
         return None  # nothing held to decide on: every request would wait for the server
+
+
+class ReleaseFailsStore(InProcessStore):
+    """A store that gives the count back, then fails writing the index."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        self.released: list[tuple[str, tuple[int, ...]]] = []
+
+    def release(
+        self, instance_id: str, prefill_end: float = 0.0, blocks: Sequence[int] = ()
+    ) -> None:
+        super().release(instance_id, prefill_end)
+        self.released.append((instance_id, tuple(blocks)))
+        raise RuntimeError("index write failed")
+
+
+class Errors(RouterCallbacks):
+    def __init__(self) -> None:
+        self.seen: list[BaseException] = []
+
+    def on_error(self, error: BaseException) -> None:
+        self.seen.append(error)
 
 
 class Clock:
@@ -99,3 +123,16 @@ async def test_a_store_that_holds_its_state_decides_at_once() -> None:
     assert isinstance(pending, PendingRoute)
     finished = await waiting.finish_route(pending)  # the store is down: decided on its own
     assert finished.decision.outcome is Outcome.RING_ONLY
+
+
+async def test_a_request_ends_with_its_blocks_and_a_failed_release_fails_nothing() -> None:
+    """``finish`` hands the store the request's blocks (the instance used them until now);
+    a store that fails after giving the count back is counted as an error, not raised
+    into the stream's end."""
+    store, errors = ReleaseFailsStore(), Errors()
+    router = RequestRouter(TABLE, store, errors)
+    result = await router.route(body("q0"), path=PATH, tenant="")
+    router.finish(result)
+    assert store.released == [(result.decision.instance_id, result.key.blocks)]
+    assert len(result.key.blocks) > 1 and await store.in_flight() == {}
+    assert [str(e) for e in errors.seen] == ["index write failed"]

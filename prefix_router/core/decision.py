@@ -339,7 +339,7 @@ def release_writes(
     answer was generated (heavy-tailed answers take a minute), and a conversation's next
     turn found its holder forgotten and was placed as new: in the simulation, 314 of
     trace-like's 3,700 later turns, which found 7% of their prompt cached where they went;
-    the token hit rate was 0.96 of the fleet-LRU bound, and 1.01 with these writes
+    the token hit rate was 0.96 of the fleet-LRU bound, and 1.03 with these writes
     (bench/results/routing-defaults/notes.md). An entry is refreshed as
     :func:`.index.record` refreshes one (once a quarter stale: a short request writes
     nothing), or written again where it was replaced."""
