@@ -6,7 +6,7 @@ from typing import Any
 
 import pytest
 
-from bench.scripts.routing_defaults import FIXED_LENGTHS, best_fixed, goals
+from bench.scripts.routing_defaults import FIXED_LENGTHS, FLOOR, _verdict, best_fixed, goals
 
 
 def row(
@@ -30,13 +30,15 @@ def row(
     }
 
 
-def runs(**spill: Any) -> dict[str, dict[str, Any]]:
+def runs(floor_p50: float | None = None, **spill: Any) -> dict[str, dict[str, Any]]:
     out = {
         "round-robin": row("round-robin", hit=0.5, p50=1.0, p99=2.0, share=1.0),
         "prefix-spill": row("prefix-spill", **spill),
     }
     for i, n in enumerate(FIXED_LENGTHS):
         out[f"fixed-{n}"] = row(f"fixed-{n}", p50=0.2 + abs(i - 2) * 0.1)  # 8 KiB best
+    if floor_p50 is not None:
+        out[FLOOR] = row(FLOOR, p50=floor_p50)
     return out
 
 
@@ -72,3 +74,23 @@ def test_goals(
     result = verdicts(workload, **spill)
     assert {g for g, ok in result.items() if ok is False} == failed
     assert {g for g, ok in result.items() if ok is None} == not_applicable
+
+
+@pytest.mark.parametrize(
+    ("floor_p50", "spill_p50", "verdict"),
+    [
+        (None, 0.35, "**FAIL**"),
+        (0.2, 0.35, "**FAIL**"),  # 0.3 x RR = 0.3 s is above the floor: reachable, missed
+        (0.2, 0.25, "PASS"),
+        (0.31, 0.35, "unreachable"),  # under the engine's floor with prefill free
+        (0.31, 0.29, "PASS"),  # met is met (a floor above a run is the floor's error)
+    ],
+)
+def test_the_p50_goal_is_unreachable_only_under_the_engines_floor(
+    floor_p50: float | None, spill_p50: float, verdict: str
+) -> None:
+    found = {
+        g: (ok, fig) for g, ok, fig in goals("rag", runs(floor_p50, p50=spill_p50), "prefix-spill")
+    }
+    ok, figures = found["P50 <= 0.3 x RR"]
+    assert _verdict(ok, figures) == verdict
