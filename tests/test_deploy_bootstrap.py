@@ -370,8 +370,8 @@ def test_real_envoy_probe_listener_serves_probes_and_nothing_that_changes_envoy(
             httpx.get(f"http://127.0.0.1:{listen}/", timeout=2)
         except httpx.ConnectError:
             return True
-        except httpx.RemoteProtocolError:  # still draining: accepted, closed unanswered
-            return False
+        except (httpx.RemoteProtocolError, httpx.ReadError):
+            return False  # still draining: accepted, then closed or reset unanswered
         return False
 
     wait_until(data_plane_closed, 30, "the drained data-plane listener closed")
