@@ -3,11 +3,16 @@
 from __future__ import annotations
 
 import datetime
+import os
 import re
+import subprocess
+import sys
+from pathlib import Path
 
 import psutil
+import pytest
 
-from bench.scripts._harness import median_rounds, run_heading
+from bench.scripts._harness import ROOT, checkout_env, median_rounds, run_heading
 from bench.scripts.data_plane_latency import local_redis_pid
 from prefix_router.ops.procs import free_port
 from tests.conftest import REDIS_URL
@@ -44,3 +49,31 @@ def test_rounds_keep_each_paths_median_and_every_error() -> None:
         "bare": {"p50": 2.0, "p99": 5.0, "errors": 2.0},
         "ours": {"p50": 0.5, "p99": 2.0, "errors": 1.0},
     }
+
+
+def test_a_baseline_checkout_runs_its_own_code_even_started_from_this_repository(
+    tmp_path: Path, monkeypatch: pytest.MonkeyPatch
+) -> None:
+    """``python -m prefix_router`` started from the repository's root imports the root's
+    code whatever PYTHONPATH says, unless the environment keeps the working directory off
+    ``sys.path``: a comparison with a baseline then measured this checkout twice."""
+    for package in ("ext_proc", "prefix_router"):
+        (tmp_path / package).mkdir()
+        (tmp_path / package / "__init__.py").write_text("")
+    (tmp_path / "prefix_router" / "__main__.py").write_text("print(__file__)\n")
+    monkeypatch.chdir(ROOT)
+    env = checkout_env(tmp_path)
+    ran = subprocess.run(
+        [sys.executable, "-m", "prefix_router"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=True,
+    )
+    assert Path(ran.stdout.strip()) == tmp_path.resolve() / "prefix_router" / "__main__.py"
+
+
+def test_a_directory_that_is_not_a_checkout_is_refused_as_a_baseline(tmp_path: Path) -> None:
+    with pytest.raises(SystemExit, match="would import ext_proc from"):
+        checkout_env(tmp_path)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 import datetime
 import json
+import os
 import re
 import shutil
 import statistics
@@ -185,6 +186,33 @@ class CpuCap:
             self.path.rmdir()
         except OSError:
             pass
+
+
+def checkout_env(tree: Path | str) -> dict[str, str]:
+    """The environment that makes a child Python import the router from ``tree``, another
+    checkout (a ``git worktree``), checked: it exits if the child would import this one.
+
+    ``PYTHONPATH`` alone is not enough: ``python -m ...`` puts its working directory first
+    on ``sys.path``, so a child started from this repository's root imports this
+    checkout's code, not ``tree``'s, and a comparison with a baseline measures the same
+    code twice. ``PYTHONSAFEPATH`` (Python 3.11) leaves the working directory out."""
+    root = Path(tree).resolve()
+    env = {"PYTHONPATH": str(root), "PYTHONSAFEPATH": "1"}
+    probe = subprocess.run(
+        [sys.executable, "-c", "import ext_proc, prefix_router; print(ext_proc.__file__)"],
+        env={**os.environ, **env},
+        capture_output=True,
+        text=True,
+        timeout=60,
+        check=False,
+    )
+    imported = Path(probe.stdout.strip() or "?").resolve()
+    if probe.returncode != 0 or root not in imported.parents:
+        sys.exit(
+            f"{root}: a child would import ext_proc from {imported}, not from this checkout"
+            f"{': ' + probe.stderr[-500:] if probe.returncode else ''}"
+        )
+    return env
 
 
 def cpu_seconds(pid: int) -> float:

@@ -38,6 +38,7 @@ from pathlib import Path
 from bench.scripts._harness import (
     ROOT,
     chat_body,
+    checkout_env,
     cpu_seconds,
     latency_in_rounds,
     run_heading,
@@ -126,8 +127,9 @@ def main() -> None:
             )
 
         def baseline(port: int) -> ManagedProcess:
-            env = {"PYTHONPATH": str(Path(args.baseline).resolve())}
-            return start_ext_proc(port, logs, args=ep_args, name=f"baseline-{port}", env=env)
+            return start_ext_proc(
+                port, logs, args=ep_args, name=f"baseline-{port}", env=baseline_env
+            )
 
         def floor(port: int) -> ManagedProcess:
             return start_module(
@@ -138,6 +140,7 @@ def main() -> None:
                 ready_ports=[port],
             )
 
+        baseline_env = checkout_env(args.baseline) if args.baseline else {}
         starters = {
             "bare": bare,
             "floor": floor,

@@ -19,8 +19,8 @@ state in Redis, and reports:
   what the hot loop does (docs/data-path.md).
 
 Each (checkout, store, body) runs in a child process of its own, whose ``prefix_router``
-is imported from that checkout (``PYTHONPATH``, as ``data_plane_latency.py --baseline``
-does), so both run on this interpreter and its libraries. The rounds alternate between
+is imported from that checkout (``_harness.checkout_env``, as ``data_plane_latency.py
+--baseline`` does), so both run on this interpreter and its libraries. The rounds alternate between
 the checkouts and the median round is kept, so a busy moment on the machine hits both.
 
     python bench/scripts/decision_cost.py [--baseline DIR] [--redis-url URL] [--n 3000]
@@ -156,9 +156,16 @@ def _result(cmd: list[str], returncode: int, stdout: str, stderr: str) -> dict[s
     return measured
 
 
+def _checkout_env(tree: Path) -> dict[str, str]:
+    # imported here, in the parent: a child imports nothing of bench from its checkout
+    from bench.scripts._harness import checkout_env
+
+    return checkout_env(tree)
+
+
 def _run_child(tree: Path, extra: list[str]) -> dict[str, float]:
     cmd = _child_command(tree, extra, None)
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, **_checkout_env(tree)}
     done = subprocess.run(cmd, env=env, capture_output=True, text=True, timeout=1800, check=False)
     return _result(cmd, done.returncode, done.stdout, done.stderr)
 
@@ -166,7 +173,7 @@ def _run_child(tree: Path, extra: list[str]) -> dict[str, float]:
 def _instructions(tree: Path, extra: list[str], n: int) -> float:
     """Instructions per request under callgrind: the difference between a run of ``n``
     and one of ``2n`` requests (both at once: callgrind counts, whatever the load)."""
-    env = {**os.environ, "PYTHONPATH": str(tree)}
+    env = {**os.environ, **_checkout_env(tree)}
     with tempfile.TemporaryDirectory() as tmp:
         outs = [Path(tmp) / f"callgrind-{runs}.out" for runs in (n, 2 * n)]
         cmds = [
