@@ -63,15 +63,10 @@ def test_a_baseline_checkout_runs_its_own_code_even_started_from_this_repository
     (tmp_path / "prefix_router" / "__main__.py").write_text("print(__file__)\n")
     monkeypatch.chdir(ROOT)
     env = checkout_env(tmp_path)
-    ran = subprocess.run(
-        [sys.executable, "-m", "prefix_router"],
-        env={**os.environ, **env},
-        capture_output=True,
-        text=True,
-        timeout=60,
-        check=True,
+    main = subprocess.check_output(
+        [sys.executable, "-m", "prefix_router"], env={**os.environ, **env}, text=True, timeout=60
     )
-    assert Path(ran.stdout.strip()) == tmp_path.resolve() / "prefix_router" / "__main__.py"
+    assert Path(main.strip()) == tmp_path.resolve() / "prefix_router" / "__main__.py"
 
 
 def test_a_directory_that_is_not_a_checkout_is_refused_as_a_baseline(tmp_path: Path) -> None:
