@@ -35,6 +35,7 @@ from __future__ import annotations
 
 import argparse
 import asyncio
+import functools
 import json
 import os
 import re
@@ -156,7 +157,9 @@ def _result(cmd: list[str], returncode: int, stdout: str, stderr: str) -> dict[s
     return measured
 
 
+@functools.cache
 def _checkout_env(tree: Path) -> dict[str, str]:
+    """Checked once per checkout, not once per child (each check starts a Python)."""
     # imported here, in the parent: a child imports nothing of bench from its checkout
     from bench.scripts._harness import checkout_env
 
