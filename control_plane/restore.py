@@ -7,7 +7,8 @@ fleet, a restarted ext_proc no instance to route to. The control plane holds
 the last state it read, so it writes it back, versions kept, within
 ``interval_s`` (:meth:`~prefix_router.state.store.StateStore.restore`; only
 where a document is absent, so several replicas restoring at once, or an admin
-change made meanwhile, are safe). Readers ignore the absent documents in the
+change made meanwhile, are safe: such a change starts from the store's last read of
+the document, not from an empty one). Readers ignore the absent documents in the
 meantime (:func:`~prefix_router.state.store.watch_state`).
 
 What is not restored: the audit log before the loss, and the routing state's

@@ -55,6 +55,25 @@ async def test_restore_writes_back_only_what_is_absent_with_its_versions(
     assert (await store.read()).config.config.prefix_length == 5
 
 
+async def test_a_change_to_a_lost_document_starts_from_the_last_one_seen(
+    store: StateStore,
+) -> None:
+    """An admin call in the moment between the loss and the keeper's restore changes the
+    fleet and config the store last saw, versions going on: it wipes nothing."""
+    await store.update_fleet(add(A))
+    await store.update_config(lambda c: c.patched({"prefix_length": 77}))
+    await store.read()
+    await lose_state(store)
+    before, after = await store.update_fleet(add(B))
+    assert before.fleet.version == 1
+    assert after.fleet.version == 2
+    assert [i.id for i in after.fleet.instances] == [A.id, B.id]
+    _, config = await store.update_config(lambda c: c.patched({"prefix_mode": "bytes"}))
+    assert (config.version, config.config.prefix_length) == (2, 77)
+    assert (await store.read()).versions == (2, 2)
+    assert not await StateKeeper(store).check()  # nothing left to restore
+
+
 async def test_the_keeper_restores_what_redis_lost(store: StateStore) -> None:
     keeper = StateKeeper(store)
     assert not await keeper.check()  # nothing read yet: nothing to restore

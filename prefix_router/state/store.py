@@ -173,6 +173,12 @@ class StateStore:
     def __init__(self, client: aioredis.Redis, namespace: str = DEFAULT_NAMESPACE) -> None:
         self.redis = client
         self.keys = Keys(namespace)
+        self._newest: dict[str, Any] = {}
+        """Per document, the newest record this store read or wrote. A change to a
+        document Redis has lost (restarted empty, flushed) starts from it, not from an
+        empty fleet or the default config: otherwise an admin call in the moment before
+        :class:`~control_plane.restore.StateKeeper` writes the document back would wipe
+        the fleet, and the keeper, finding a document, would restore nothing."""
 
     @classmethod
     def from_url(cls, url: str, namespace: str = DEFAULT_NAMESPACE) -> StateStore:
@@ -186,7 +192,12 @@ class StateStore:
             raw_fleet, raw_config = await self.redis.mget([self.keys.fleet, self.keys.config])
         except (RedisError, OSError) as exc:
             raise StateError(f"cannot read state from Redis: {exc}") from None
-        return State(FleetRecord.from_json(raw_fleet), ConfigRecord.from_json(raw_config))
+        fleet, config = FleetRecord.from_json(raw_fleet), ConfigRecord.from_json(raw_config)
+        if raw_fleet is not None:
+            self._newest[self.keys.fleet] = fleet
+        if raw_config is not None:
+            self._newest[self.keys.config] = config
+        return State(fleet, config)
 
     async def seed(self, fleet: Fleet | None, config: RouterConfig | None) -> State:
         """Write the start-up fleet/config only where the namespace has none yet.
@@ -304,7 +315,8 @@ class StateStore:
             for _ in range(_MAX_RETRIES):
                 async with self.redis.pipeline(transaction=True) as pipe:
                     await pipe.watch(key)
-                    before = load(await pipe.get(key))
+                    raw = await pipe.get(key)
+                    before = load(raw) if raw is not None else self._newest.get(key, load(raw))
                     after = change(before)
                     if after is None:
                         await pipe.unwatch()  # type: ignore[no-untyped-call]
@@ -320,6 +332,7 @@ class StateStore:
                         await pipe.execute()
                     except WatchError:
                         continue
+                    self._newest[key] = after
                     return before, after
         except (RedisError, OSError) as exc:
             raise StateError(f"cannot write state to Redis: {exc}") from None
