@@ -24,7 +24,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field
+from pydantic import BaseModel, ConfigDict, Field, field_validator
 
 from control_plane.body_limit import BodyLimit
 from control_plane.service import AdminService, InstanceExists, InstanceNotFound
@@ -51,7 +51,16 @@ class InstancePatch(BaseModel):
     weight: int | None = Field(None, ge=1, le=128)
     models: list[str] | None = None
     hash_key: str | None = None
+    """null clears it."""
     state: InstanceState | None = None
+
+    @field_validator("weight", "models", "state", mode="before")
+    @classmethod
+    def _not_null(cls, value: Any) -> Any:
+        """Only ``hash_key`` can be cleared; null anywhere else is a mistake to name."""
+        if value is None:
+            raise ValueError("must not be null (leave the field out to keep its value)")
+        return value
 
 
 def _config_json(record: ConfigRecord) -> dict[str, Any]:

@@ -374,7 +374,7 @@ class FleetView:
             response = await self.client.get(url, timeout=self.timeout_s)
             response.raise_for_status()
             reading = parse_vllm_metrics(response.text)
-        except (httpx.HTTPError, MetricsFormatError) as exc:
+        except (httpx.HTTPError, httpx.InvalidURL, MetricsFormatError) as exc:
             return Scrape(self.clock(), None, f"{type(exc).__name__}: {exc}"[:300])
         return Scrape(self.clock(), reading)
 

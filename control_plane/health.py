@@ -73,7 +73,7 @@ class HealthProber:
         try:
             r = await self.client.get(url, timeout=cfg.timeout_ms / 1000)
             return 200 <= r.status_code < 300
-        except httpx.HTTPError:
+        except (httpx.HTTPError, httpx.InvalidURL):  # unreachable, or no URL at all
             return False
 
     async def check_once(self) -> dict[str, bool]:

@@ -108,7 +108,7 @@ class ModelDiscovery:
         try:
             r = await self.client.get(f"http://{instance.id}{MODELS_PATH}", timeout=self.timeout_s)
             return parse_models(r.json()) if r.status_code == 200 else None
-        except (httpx.HTTPError, ValueError):
+        except (httpx.HTTPError, httpx.InvalidURL, ValueError):
             return None
 
     async def discover_once(self) -> dict[str, tuple[ServedModel, ...]]:

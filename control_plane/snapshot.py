@@ -29,12 +29,12 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.extensions.upstreams.http.v3 import (  # noqa: F401 - registers the Any type
     http_protocol_options_pb2,
 )
-from google.protobuf import any_pb2  # type: ignore[import-untyped]
+from google.protobuf import any_pb2, json_format  # type: ignore[import-untyped]
 from google.protobuf.json_format import ParseDict  # type: ignore[import-untyped]
 from google.protobuf.message import Message  # type: ignore[import-untyped]
 
 from prefix_router.core.config import RouterConfig
-from prefix_router.core.errors import PrefixRouterError
+from prefix_router.core.errors import ConfigError, PrefixRouterError
 from prefix_router.core.fleet import Fleet
 from prefix_router.envoy.addresses import Addresses, names_in
 from prefix_router.envoy.cluster import load_assignments, model_clusters
@@ -126,14 +126,17 @@ def build_snapshot(
     """The snapshot every Envoy should run for this fleet and config. Pure: the instances
     named by DNS come resolved in ``addresses`` (:mod:`prefix_router.envoy.addresses`)."""
     addresses = {n: a for n, a in addresses.items() if n in names_in(fleet)}
-    clusters = [
-        ParseDict(c, cluster_pb2.Cluster())
-        for c in model_clusters(config, fleet, eds=True, addresses=addresses)
-    ]
-    assignments = [
-        ParseDict(a, endpoint_pb2.ClusterLoadAssignment())
-        for a in load_assignments(fleet, addresses)
-    ]
+    try:
+        clusters = [
+            ParseDict(c, cluster_pb2.Cluster())
+            for c in model_clusters(config, fleet, eds=True, addresses=addresses)
+        ]
+        assignments = [
+            ParseDict(a, endpoint_pb2.ClusterLoadAssignment())
+            for a in load_assignments(fleet, addresses)
+        ]
+    except json_format.Error as exc:  # a value Envoy's types cannot hold
+        raise ConfigError(f"the fleet and config make no valid Envoy resources: {exc}") from None
     return Snapshot.of(
         snapshot_version(fleet.version, config_version, addresses),
         {CLUSTER_TYPE: clusters, ENDPOINT_TYPE: assignments},

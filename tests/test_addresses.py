@@ -5,6 +5,7 @@ from __future__ import annotations
 import asyncio
 from typing import Any
 
+import pytest
 from envoy.config.cluster.v3 import cluster_pb2
 from envoy.config.endpoint.v3 import endpoint_pb2
 
@@ -12,7 +13,8 @@ from control_plane.cache import ALL_NODES, SnapshotCache
 from control_plane.publisher import Publisher, keep_names_resolved
 from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, Snapshot, build_snapshot
 from prefix_router.core.config import RouterConfig
-from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.core.errors import FleetError
+from prefix_router.core.fleet import Fleet, Instance, check_address
 from prefix_router.envoy.addresses import is_ip_literal, names_in, publishable, resolve, resolve_now
 from tests.support.wait import async_wait_until
 
@@ -109,3 +111,20 @@ async def test_the_publisher_resolves_a_new_name_at_once_and_republishes() -> No
     finally:
         stop.set()
         await asyncio.wait_for(resolver, 5)
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["10.0.0.7", "fd00::7", "vllm-0.vllm.ns.svc", "vllm-0.vllm.ns.svc.", "localhost", "vllm_1"],
+)
+def test_an_instance_address_is_an_ip_or_a_host_name(address: str) -> None:
+    check_address(address)
+
+
+@pytest.mark.parametrize(
+    "address",
+    ["a:b", "300.1.1.1", "1.2.3", "a" * 64, "-x", "a..b", "x y", "host/path", "a@b", "é.com"],
+)
+def test_anything_else_is_refused_before_it_reaches_a_url_or_a_lookup(address: str) -> None:
+    with pytest.raises(FleetError, match="instance address"):
+        check_address(address)

@@ -77,6 +77,11 @@ async def test_openapi_docs_are_served(admin: Admin) -> None:
         ("PATCH", {"no_such_setting": 1}, "no_such_setting"),
         ("PATCH", {"health_check": {"interval_ms": 1}}, "health_check.interval_ms"),
         ("PUT", {"prefix_length": -5}, "prefix_length"),
+        # what Envoy could not take: the snapshot would never publish, or be NACKed
+        ("PATCH", {"circuit_breakers": {"max_requests": 2**32}}, "circuit_breakers.max_requests"),
+        ("PATCH", {"health_check": {"path": "health"}}, "health_check.path"),
+        ("PATCH", {"health_check": {"path": "/a\nb"}}, "health_check.path"),
+        ("PATCH", {"retry": {"retry_on": "connect-failure,5xxx"}}, "5xxx"),
     ],
 )
 async def test_invalid_config_is_422_with_the_reason_and_nothing_changes(
@@ -120,6 +125,11 @@ async def test_instances_add_update_and_their_errors(admin: Admin) -> None:
         {"address": "h", "port": 1, "weight": 0},
         {"address": "h", "port": 1, "x": 1},
         {"address": "h", "port": 1, "models": ["has space"]},  # not a cluster name
+        # no URL, probe or DNS lookup can use these
+        {"address": "a:b", "port": 80},
+        {"address": "a" * 64, "port": 80},
+        {"address": "300.1.1.1", "port": 80},
+        {"address": "host/path", "port": 80},
     ]
     for bad in bad_bodies:
         r = await c.post("/instances", json=bad)
@@ -129,11 +139,15 @@ async def test_instances_add_update_and_their_errors(admin: Admin) -> None:
     assert r.json()["instance"]["weight"] == 5 and r.json()["instance"]["models"] == ["m2"]
     assert (await c.patch(f"/instances/{new_id}", json={"weight": 999})).status_code == 422
     assert (await c.patch(f"/instances/{new_id}", json={"models": [""]})).status_code == 422
+    for field in ("weight", "models", "state"):  # only hash_key can be cleared
+        r = await c.patch(f"/instances/{new_id}", json={field: None})
+        assert r.status_code == 422 and field in r.json()["detail"], r.text
+    assert (await c.patch(f"/instances/{new_id}", json={"hash_key": None})).status_code == 200
     assert (await c.patch("/instances/nope:1", json={"weight": 2})).status_code == 404
     assert (await c.delete("/instances/nope:1")).status_code == 404
     listed = (await c.get("/instances")).json()
     assert [i["id"] for i in listed["instances"]] == sorted([A.id, B.id, new_id])
-    assert listed["fleet_version"] == 3
+    assert listed["fleet_version"] == 3  # the refused calls wrote nothing
     actions = [e["action"] for e in await admin.store.audit_log()]
     assert actions == ["update-instance", "add-instance"]
 

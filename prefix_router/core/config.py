@@ -31,6 +31,17 @@ from prefix_router.core.errors import ConfigError
 
 MIB = 1024 * 1024
 DEFAULT_OPENAI_MAX_PARSE_BYTES = 4 * MIB
+UINT32_MAX = 2**32 - 1
+"""Envoy's circuit-breaker thresholds are 32-bit: a larger one could never be published."""
+RETRY_CONDITIONS = frozenset(
+    {
+        "5xx", "gateway-error", "reset", "reset-before-request", "connect-failure",
+        "envoy-ratelimited", "retriable-4xx", "refused-stream", "retriable-status-codes",
+        "retriable-headers", "http3-post-connect-failure",
+        "cancelled", "deadline-exceeded", "internal", "resource-exhausted", "unavailable",
+    }
+)  # fmt: skip
+"""The ``retry_on`` conditions Envoy's router knows (HTTP and gRPC)."""
 
 
 class PrefixMode(StrEnum):
@@ -157,7 +168,12 @@ class RingConfig(_Frozen):
 class HealthCheckConfig(_Frozen):
     """Envoy active health checking against each instance's ``/health``."""
 
-    path: str = "/health"
+    path: str = Field(
+        "/health",
+        max_length=1024,
+        pattern=r"^/[!-~]*$",
+        description="Absolute path, printable ASCII without spaces.",
+    )
     interval_ms: int = Field(1000, ge=50, le=600_000)
     timeout_ms: int = Field(500, ge=10, le=60_000)
     unhealthy_threshold: int = Field(2, ge=1, le=100)
@@ -177,10 +193,10 @@ class CircuitBreakerConfig(_Frozen):
     """Envoy circuit-breaker limits for the model-serving cluster, and for the ext_proc
     cluster, where every request in flight holds one stream."""
 
-    max_connections: int = Field(100_000, ge=1)
-    max_pending_requests: int = Field(100_000, ge=1)
-    max_requests: int = Field(100_000, ge=1)
-    max_retries: int = Field(16, ge=0)
+    max_connections: int = Field(100_000, ge=1, le=UINT32_MAX)
+    max_pending_requests: int = Field(100_000, ge=1, le=UINT32_MAX)
+    max_requests: int = Field(100_000, ge=1, le=UINT32_MAX)
+    max_retries: int = Field(16, ge=0, le=UINT32_MAX)
 
 
 class RetryConfig(_Frozen):
@@ -195,7 +211,18 @@ class RetryConfig(_Frozen):
     enabled: bool = True
     num_retries: int = Field(2, ge=0, le=10)
     retry_on: str = "connect-failure,refused-stream,reset-before-request"
-    per_try_timeout_ms: int = Field(0, ge=0, description="0: no per-try timeout.")
+    per_try_timeout_ms: int = Field(0, ge=0, le=86_400_000, description="0: no per-try timeout.")
+
+    @field_validator("retry_on")
+    @classmethod
+    def _known_conditions(cls, value: str) -> str:
+        """Envoy ignores a condition it does not know (with a warning in its log): a typo
+        would silently retry less than asked."""
+        unknown = [c for c in value.split(",") if c.strip() not in RETRY_CONDITIONS]
+        if unknown:
+            known = ", ".join(sorted(RETRY_CONDITIONS))
+            raise ValueError(f"unknown retry condition(s) {unknown}; known: {known}")
+        return ",".join(c.strip() for c in value.split(","))
 
 
 class RouterConfig(_Frozen):

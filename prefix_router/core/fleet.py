@@ -8,6 +8,8 @@ ring mirror from it, so both sides see the same membership in the same order.
 
 from __future__ import annotations
 
+import ipaddress
+import re
 from dataclasses import dataclass, field, replace
 from enum import StrEnum
 from typing import Any
@@ -44,6 +46,28 @@ def check_model_name(name: str) -> None:
         )
 
 
+_LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
+"""One DNS label as hosts are named (RFC 1123; ``_`` too, as Docker names containers)."""
+
+
+def check_address(address: str) -> None:
+    """An instance's address is an IP literal or a host name Envoy and the prober can
+    use: ``10.0.0.7``, ``fd00::7``, ``vllm-0.vllm.ns.svc``. Anything else would be taken
+    by the admin API and then fail every health probe, scrape and DNS lookup of it."""
+    if ":" in address or all(part.isdigit() for part in address.split(".")):
+        try:
+            ipaddress.ip_address(address)
+        except ValueError:
+            raise FleetError(f"instance address {address!r} is not a valid IP address") from None
+        return
+    name = address[:-1] if address.endswith(".") else address
+    if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in name.split(".")):
+        raise FleetError(
+            f"instance address {address!r} is neither an IP address nor a host name "
+            "(dot-separated labels of 1..63 letters, digits, '-' or '_', 253 characters at most)"
+        )
+
+
 class InstanceState(StrEnum):
     ACTIVE = "active"
     DRAINING = "draining"
@@ -70,6 +94,7 @@ class Instance:
     def __post_init__(self) -> None:
         if not self.address:
             raise FleetError("instance address must not be empty")
+        check_address(self.address)
         if not 0 < self.port < 65536:
             raise FleetError(f"instance port {self.port} out of range 1..65535")
         if not 1 <= self.weight <= 128:

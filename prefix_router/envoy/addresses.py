@@ -76,7 +76,7 @@ async def resolve(names: Iterable[str], *, timeout_s: float = 2.0) -> dict[str, 
         try:
             async with asyncio.timeout(timeout_s):
                 infos = await loop.getaddrinfo(name, None, type=socket.SOCK_STREAM)
-        except (OSError, TimeoutError) as exc:
+        except (OSError, TimeoutError, UnicodeError) as exc:  # UnicodeError: no DNS name
             log.warning("cannot resolve instance address %r: %s", name, exc)
             return None
         return _pick(infos)
@@ -91,7 +91,7 @@ def resolve_now(names: Iterable[str]) -> dict[str, str]:
     for name in sorted(set(names)):
         try:
             address = _pick(socket.getaddrinfo(name, None, type=socket.SOCK_STREAM))
-        except OSError as exc:
+        except (OSError, UnicodeError) as exc:
             log.warning("cannot resolve instance address %r: %s", name, exc)
             continue
         if address is not None:
