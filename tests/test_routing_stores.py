@@ -279,6 +279,31 @@ async def test_with_no_staleness_every_decision_waits_for_a_round_trip(namespace
         await store.close()
 
 
+async def test_a_caller_giving_up_as_its_reservation_is_made_leaks_no_count(
+    namespace: str,
+) -> None:
+    """The router's backstop may cancel a wait in the very turn the flusher resolves it;
+    the reservation made for it is given back (the count would stay up for good)."""
+    table = RoutingTable.build(FLEET, CONFIG.patched({"redis_max_staleness_ms": 0}))
+    store = await RedisStore.connect(REDIS_URL, namespace=namespace, timeout_s=1.0)
+    try:
+        waiter = asyncio.create_task(store.route(key(doc("given up")), table))
+        await asyncio.sleep(0)
+        [waiting] = store._waiting
+        while not waiting.future.done():  # resolved; the waiter has not run since
+            await asyncio.sleep(0)
+        reserved = waiting.future.result().instance_id
+        waiter.cancel()
+        with pytest.raises(asyncio.CancelledError):
+            await waiter
+        other = await store.route(key(doc("after")), table)  # a round trip after the writes
+        store.release(other.instance_id)
+        await asyncio.sleep(0.1)
+        assert await store.in_flight() == {}, f"{reserved} kept the given-up request"
+    finally:
+        await store.close()
+
+
 async def test_a_share_in_doubt_is_rewritten_before_the_next_batch(namespace: str) -> None:
     """A round trip that failed may still have been applied. The flusher rewrites the
     share from the exact local counts before it sends anything else, so a release

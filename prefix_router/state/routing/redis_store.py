@@ -295,7 +295,16 @@ class RedisStore:
         future: asyncio.Future[Routed] = asyncio.get_running_loop().create_future()
         self._waiting.append(_Waiting(key, table, request_id, future))
         self._wake.set()
-        return await future
+        try:
+            return await future
+        except asyncio.CancelledError:
+            # the caller gave up in the very turn its reservation was made (a future
+            # resolved before the cancel still cancels the waiter): nobody else will
+            # give that count back
+            if future.done() and not future.cancelled() and future.exception() is None:
+                routed = future.result()
+                self.release(routed.instance_id, routed.prefill_end)
+            raise
 
     def release(
         self, instance_id: str, prefill_end: float = 0.0, blocks: Sequence[int] = ()
