@@ -18,14 +18,18 @@ from ext_proc.router import RequestRouter
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet
 from prefix_router.core.table import RoutingTable
+from prefix_router.state.routing.redis_store import RedisStore
 from prefix_router.state.store import WATCH_INTERVAL_S, watch_state
 
 log = logging.getLogger("prefix_router.ext_proc")
 
 
 def apply_state(router: RequestRouter, fleet: Fleet, config: RouterConfig, version: int) -> None:
-    """Swap in the routing table of this fleet and config."""
+    """Swap in the routing table of this fleet and config, and the config's bound on a
+    Redis round trip (the store was made with the start-up config's)."""
     router.use(RoutingTable.build(fleet, config, config_version=version))
+    if isinstance(router.store, RedisStore):
+        router.store.round_trip_timeout_s = config.redis_timeout_ms / 1000
     log.info(
         "routing table: fleet v%d (%d routable), config v%d",
         fleet.version,

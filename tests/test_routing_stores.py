@@ -8,6 +8,7 @@ import json
 import random
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from urllib.parse import urlsplit
 
 import pytest
 import redis.asyncio as aioredis
@@ -83,6 +84,16 @@ async def settled(store: RoutingStore, expected: dict[str, int]) -> dict[str, in
         await asyncio.sleep(0.01)
         counts = await store.in_flight()
     return counts
+
+
+async def recovered(store: RedisStore) -> None:
+    """Wait out the store's recovery from a failed round trip (it refuses to queue requests
+    meanwhile: they route on the replica's own state)."""
+    for _ in range(500):
+        if not store._recovering:
+            return
+        await asyncio.sleep(0.01)
+    raise AssertionError("the store did not recover within 5 s")
 
 
 def doc(name: str, size: int = 3000) -> bytes:
@@ -347,6 +358,7 @@ async def test_a_write_of_the_outage_that_lands_late_is_undone(
         store._sync = lost  # type: ignore[method-assign]
         with pytest.raises(StateUnavailable):
             await route(store, doc("a"))
+        await recovered(store)
         kept = await route(store, doc("b"))  # rewrites the share first
         want = {kept.instance_id: 1}
         assert await settled(store, want) == want
@@ -416,6 +428,73 @@ async def test_redis_keeps_only_the_prefill_ends_still_ahead(namespace: str) -> 
         await client.aclose()
 
 
+class SlowRedis:
+    """A TCP proxy to the test Redis that holds each reply ``delay`` seconds: a Redis far
+    away."""
+
+    def __init__(self, delay: float) -> None:
+        self.delay = delay
+        self.server: asyncio.Server | None = None
+
+    async def __aenter__(self) -> str:
+        self.server = await asyncio.start_server(self._relay, "127.0.0.1", 0)
+        url = urlsplit(REDIS_URL)
+        self.upstream = (url.hostname or "127.0.0.1", url.port or 6379)
+        auth = url.netloc.rpartition("@")[0]
+        port = self.server.sockets[0].getsockname()[1]
+        return url._replace(
+            netloc=f"{auth}@127.0.0.1:{port}" if auth else f"127.0.0.1:{port}"
+        ).geturl()
+
+    async def __aexit__(self, *_: object) -> None:
+        assert self.server is not None
+        self.server.close()
+
+    async def _relay(self, reader: asyncio.StreamReader, writer: asyncio.StreamWriter) -> None:
+        up_reader, up_writer = await asyncio.open_connection(*self.upstream)
+
+        async def pipe(r: asyncio.StreamReader, w: asyncio.StreamWriter, slow: bool) -> None:
+            try:
+                while data := await r.read(65536):
+                    if slow:
+                        await asyncio.sleep(self.delay)
+                    w.write(data)
+                    await w.drain()
+            except OSError:
+                pass
+            finally:
+                w.close()
+
+        await asyncio.gather(pipe(reader, up_writer, False), pipe(up_reader, writer, True))
+
+
+async def test_after_a_slow_spell_a_far_redis_is_used_again(namespace: str) -> None:
+    """A Redis whose round trip takes two thirds of ``redis_timeout_ms`` serves again
+    after one timed out: the share's rewrite and the next sync are bounded each on its
+    own, and the new connection's handshake is not counted against them."""
+    table = RoutingTable.build(FLEET, CONFIG.patched({"redis_max_staleness_ms": 0}))
+    proxy = SlowRedis(0.2)
+    async with proxy as url:
+        store = await RedisStore.connect(url, namespace=namespace, timeout_s=0.3)
+        try:
+            store.release((await store.route(key(doc("near")), table)).instance_id)
+            proxy.delay = 0.5
+            with pytest.raises(StateUnavailable):
+                await store.route(key(doc("slow")), table)
+            proxy.delay = 0.2
+            deadline = time.monotonic() + 8
+            while True:
+                try:
+                    store.release((await store.route(key(doc("again")), table)).instance_id)
+                    break
+                except StateUnavailable:
+                    assert time.monotonic() < deadline, "the store never used Redis again"
+                    await asyncio.sleep(0.1)
+        finally:
+            proxy.delay = 0
+            await store.close()
+
+
 async def test_a_dead_replicas_counts_disappear(namespace: str) -> None:
     dead = await RedisStore.connect(REDIS_URL, namespace=namespace)
     taken = [(await route(dead, doc(f"p{n}"))).instance_id for n in range(3)]
@@ -464,6 +543,7 @@ async def test_a_failed_round_trip_drops_every_pooled_connection(namespace: str)
                 break
             await asyncio.sleep(0.01)
         assert await connected() == 0
+        await recovered(store)
         await route(store, doc("c"))  # and the store connects again
     finally:
         await store.close()

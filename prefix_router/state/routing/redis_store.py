@@ -66,8 +66,9 @@ import logging
 import time
 import uuid
 from collections import Counter
-from collections.abc import Sequence
+from collections.abc import Awaitable, Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import redis.asyncio as aioredis
 from redis.exceptions import ConnectionError as RedisConnectionError
@@ -129,6 +130,9 @@ RELOAD_BACKOFF_S = 1.0
 REFRESH_S = 0.1
 """Longest a replica keeping a copy goes without a round trip, traffic or not, so that it
 stays within the index log (``redis_lua.LOG_KEEP`` of the whole fleet's index writes)."""
+CONNECT_TIMEOUT_S = 2.0
+"""Longest the flusher waits, after a failed round trip, for a new connection (a PING)
+before its next round trip; requests meanwhile route on the replica's own state."""
 
 
 @dataclass(slots=True)
@@ -181,6 +185,7 @@ class RedisStore:
         self._next = SyncArgs()
         """Writes for the next round trip."""
         self._waiting: list[_Waiting] = []
+        self._recovering = False
         self._wake = asyncio.Event()
         self._closing = False
         self._in_doubt = False
@@ -242,10 +247,12 @@ class RedisStore:
             round_trip_timeout_s=timeout_s,
             clock_scale=clock_scale,
         )
-        # Load the script now, so the first requests' round trip is not three.
+        # Load the script and connect the flusher now, so the first requests' round trip
+        # is one, not a connection's handshake and three.
         with contextlib.suppress(RedisError, OSError, TimeoutError):
-            async with asyncio.timeout(max(timeout_s, 0.5)):
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
                 await client.script_load(SYNC)
+        await store._connect()
         store.start()
         return store
 
@@ -289,6 +296,8 @@ class RedisStore:
     async def route(self, key: PrefixKey, table: RoutingTable, request_id: str = "") -> Routed:
         if not self._tasks or self._tasks[0].done():
             raise StateUnavailable("the routing store is not running")
+        if self._recovering:
+            raise StateUnavailable("recovering from a failed round trip")
         routed = self.route_at_once(key, table, request_id)
         if routed is not None:
             return routed
@@ -364,47 +373,55 @@ class RedisStore:
                     args.log_from = self._copy.seq
                 else:
                     args.slots = _slots_of(waiting, table)
-            try:
-                async with asyncio.timeout(self.round_trip_timeout_s):
-                    if self._in_doubt:
-                        await self._rewrite_share()
-                        self._in_doubt = False
-                        if self._outage:
-                            self._outage = False
-                            self._settle_at = asyncio.get_running_loop().time() + SETTLE_S
-                        args.reserves, args.releases = [], []  # the rewrite carries them
-                    reply = None
-                    if table is not None and table.rule.slots_log2 != self._last_slots_log2:
-                        self._last_keys = self.keys_for(table)
-                        self._last_slots_log2 = table.rule.slots_log2
-                    if args and self._last_keys:
-                        reply = await self._sync(
-                            keys=self._last_keys, args=[args.pack(self.clock_scale)]
+            try:  # each round trip bounded on its own: a slow Redis is not a down one
+                if self._in_doubt:
+                    await self._bounded(self._rewrite_share())
+                    self._in_doubt = False
+                    if self._outage:
+                        self._outage = False
+                        self._settle_at = asyncio.get_running_loop().time() + SETTLE_S
+                    args.reserves, args.releases = [], []  # the rewrite carries them
+                reply = None
+                if table is not None and table.rule.slots_log2 != self._last_slots_log2:
+                    self._last_keys = self.keys_for(table)
+                    self._last_slots_log2 = table.rule.slots_log2
+                if args and self._last_keys:
+                    reply = await self._bounded(
+                        self._sync(keys=self._last_keys, args=[args.pack(self.clock_scale)])
+                    )
+                if table is not None and reply is not None:
+                    view = self._read(table, args, reply)
+                    if view is None:  # the copy fell behind the log: read the slots
+                        args = SyncArgs(
+                            instances=table.ids,
+                            keep=table.rule.waiting_kept,
+                            slots=_slots_of(waiting, table),
                         )
-                    if table is not None and reply is not None:
+                        reply = await self._bounded(
+                            self._sync(keys=self._last_keys, args=[args.pack(self.clock_scale)])
+                        )
                         view = self._read(table, args, reply)
-                        if view is None:  # the copy fell behind the log: read the slots
-                            args = SyncArgs(
-                                instances=table.ids,
-                                keep=table.rule.waiting_kept,
-                                slots=_slots_of(waiting, table),
-                            )
-                            reply = await self._sync(
-                                keys=self._last_keys, args=[args.pack(self.clock_scale)]
-                            )
-                            view = self._read(table, args, reply)
             except Exception as exc:  # noqa: BLE001 - the flusher must outlive any failure
                 if not isinstance(exc, RedisError | OSError | TimeoutError):
                     log.warning("routing store round trip failed unexpectedly: %r", exc)
                 self._in_doubt = True  # unknown whether the writes landed: rewrite the share
                 self._outage = True
                 self._copy = self._view = None  # nor which: load the index again
+                # until the next round trip, requests route on the replica's own state:
+                # none may wait out the recovery (Envoy waits for an answer only so long)
+                self._recovering = True
+                waiting += self._waiting
+                self._waiting = []
                 for w in waiting:
                     if not w.future.done():
                         w.future.set_exception(StateUnavailable(repr(exc)))
-                if _lost_connection(exc):
-                    await self._drop_connections()
-                await asyncio.sleep(self.round_trip_timeout_s)  # not a retry every few ms
+                try:
+                    if _lost_connection(exc):
+                        await self._drop_connections()
+                    await asyncio.sleep(self.round_trip_timeout_s)  # not a retry every few ms
+                    await self._connect()
+                finally:
+                    self._recovering = False
                 continue
             if table is not None and reply is not None and view is not None:
                 try:
@@ -416,6 +433,11 @@ class RedisStore:
                             w.future.set_exception(StateUnavailable(repr(exc)))
             if self._next:
                 self._wake_soon()
+
+    async def _bounded(self, call: Awaitable[Any]) -> Any:
+        """``call``, one round trip, within ``round_trip_timeout_s``."""
+        async with asyncio.timeout(self.round_trip_timeout_s):
+            return await call
 
     def _wake_soon(self) -> None:
         """Send the pending writes within ``WRITE_DELAY_S``: with the next request's read if
@@ -578,6 +600,15 @@ class RedisStore:
         with contextlib.suppress(RedisError, OSError, TimeoutError):
             async with asyncio.timeout(self.round_trip_timeout_s):
                 await self.redis.connection_pool.disconnect()
+
+    async def _connect(self) -> None:
+        """Open a connection before the next bounded round trip. A new connection's
+        handshake takes round trips of its own (AUTH, CLIENT SETINFO): counted against
+        the bound, a Redis slower than a third of it would fail every round trip after
+        the first failure, and never be used again."""
+        with contextlib.suppress(RedisError, OSError, TimeoutError):
+            async with asyncio.timeout(CONNECT_TIMEOUT_S):
+                await self._flusher_client.ping()
 
     async def _rewrite_share(self) -> None:
         args: list[str | int] = []
