@@ -128,6 +128,22 @@ def test_env_fallbacks_and_flags_win() -> None:
     assert params.ext_proc == (("c", 3),) and params.node_id == "flag"
 
 
+def test_the_cli_renders_what_prefix_router_up_renders_by_default() -> None:
+    """Compose and Kubernetes render with the CLI, ``up`` with ``BootstrapParams``: the
+    same body limits (a 4 MiB buffer once answered 413 to every larger body) and the same
+    ext_proc timeout."""
+    params, *_ = build(["--ext-proc", "a:1", "--xds", "b:2"], {})
+    default = BootstrapParams(listen_port=params.listen_port, admin_port=params.admin_port,
+                              ext_proc=params.ext_proc)  # fmt: skip
+    assert (params.body_buffer_bytes, params.max_body_bytes, params.ext_proc_timeout_ms) == (
+        default.body_buffer_bytes,
+        default.max_body_bytes,
+        default.ext_proc_timeout_ms,
+    )
+    params, *_ = build(["--ext-proc", "a:1", "--xds", "b:2", "--max-body-bytes", "1048576"], {})
+    assert params.body_buffer_bytes == 1048576 + 64 * 1024
+
+
 @pytest.mark.parametrize(
     "argv",
     [
@@ -140,6 +156,8 @@ def test_env_fallbacks_and_flags_win() -> None:
         ["--ext-proc", "a:1", "--xds", "b:2", "--listen-port", "9901"],
         ["--ext-proc", "a:1", "--xds", "b:2", "--probe-port", "9901"],
         ["--ext-proc", "a:1", "--xds", "b:2", "--probe-port", "8080"],
+        # a buffer below the largest body: Envoy would answer 413 to bodies it should route
+        ["--ext-proc", "a:1", "--xds", "b:2", "--body-buffer-bytes", "4194304"],
     ],
 )
 def test_bad_flags_are_config_errors(argv: list[str]) -> None:

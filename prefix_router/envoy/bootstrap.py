@@ -38,6 +38,13 @@ EXT_PROC_MAX_CONCURRENT_STREAMS = 1_000
 """ext_proc's default ``--h2-max-concurrent-streams`` (tests hold the two equal)."""
 
 
+DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
+"""Larger request bodies get 413 from Envoy."""
+BODY_BUFFER_SLACK = 64 * 1024
+"""Envoy buffers this much more than the largest body it routes."""
+DEFAULT_EXT_PROC_TIMEOUT_MS = 500
+
+
 def template_path() -> Path:
     """The bootstrap template: ``envoy/bootstrap.yaml``, linked beside this module in a
     checkout and copied there in a wheel."""
@@ -61,9 +68,9 @@ class BootstrapParams:
     node_id: str = "prefix-router-envoy"
     xds: tuple[str, int] | None = None
     """Control plane ``(host, port)``; None for a static fleet."""
-    body_buffer_bytes: int = 64 * 1024 * 1024 + 64 * 1024
-    max_body_bytes: int = 64 * 1024 * 1024
-    ext_proc_timeout_ms: int = 500
+    body_buffer_bytes: int = DEFAULT_MAX_BODY_BYTES + BODY_BUFFER_SLACK
+    max_body_bytes: int = DEFAULT_MAX_BODY_BYTES
+    ext_proc_timeout_ms: int = DEFAULT_EXT_PROC_TIMEOUT_MS
     """Envoy waits this long for each ext_proc answer, then goes on without it
     (failure_mode_allow). Generous: a request that times out loses its routing."""
     lb_policy: str = "RING_HASH"

@@ -29,7 +29,13 @@ import yaml
 from prefix_router.core.config import RouterConfig, load_config_file
 from prefix_router.core.errors import ConfigError, FleetError
 from prefix_router.core.fleet import Fleet, Instance
-from prefix_router.envoy.bootstrap import BootstrapParams, render_bootstrap
+from prefix_router.envoy.bootstrap import (
+    BODY_BUFFER_SLACK,
+    DEFAULT_EXT_PROC_TIMEOUT_MS,
+    DEFAULT_MAX_BODY_BYTES,
+    BootstrapParams,
+    render_bootstrap,
+)
 
 ENV_PREFIX = "PREFIX_ROUTER_BOOTSTRAP_"
 
@@ -98,9 +104,14 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
     add("--fleet", None, "fleet YAML (instances: [...]) for a fixed fleet without --xds")
     add("--node-id", "prefix-router-envoy", "Envoy node id the control plane sees")
     add("--config", None, "routing config YAML (its routing: section or the whole file)")
-    add("--body-buffer-bytes", str(4 * 1024 * 1024), "body bytes ext_proc sees")
-    add("--max-body-bytes", str(64 * 1024 * 1024), "larger request bodies get 413")
-    add("--ext-proc-timeout-ms", "200", "ext_proc message timeout")
+    add(
+        "--body-buffer-bytes",
+        None,
+        "bytes of a request Envoy buffers for ext_proc; at least --max-body-bytes "
+        f"(default: that + {BODY_BUFFER_SLACK // 1024} KiB)",
+    )
+    add("--max-body-bytes", str(DEFAULT_MAX_BODY_BYTES), "larger request bodies get 413")
+    add("--ext-proc-timeout-ms", str(DEFAULT_EXT_PROC_TIMEOUT_MS), "ext_proc message timeout")
     add(
         "--max-downstream-connections",
         None,
@@ -148,6 +159,17 @@ def build(
         raise ConfigError("give at least one --ext-proc HOST:PORT")
     if (args.xds is None) == (args.fleet is None):
         raise ConfigError("give exactly one of --xds HOST:PORT (control plane) or --fleet FILE")
+    max_body = _int("--max-body-bytes", args.max_body_bytes, low=1, high=2**31 - 1)
+    body_buffer = (
+        max_body + BODY_BUFFER_SLACK
+        if args.body_buffer_bytes is None
+        else _int("--body-buffer-bytes", args.body_buffer_bytes, low=1024, high=2**31 - 1)
+    )
+    if body_buffer < max_body:  # Envoy would answer 413 to bodies it should route
+        raise ConfigError(
+            f"--body-buffer-bytes ({body_buffer}) is below --max-body-bytes ({max_body}): "
+            "bodies in between would get 413 instead of reaching an instance"
+        )
     params = BootstrapParams(
         listen_address=args.listen_address,
         listen_port=_int("--listen-port", args.listen_port, low=1, high=65535),
@@ -160,10 +182,8 @@ def build(
         ext_proc=tuple(parse_host_port(s) for s in ext_proc_specs),
         node_id=args.node_id,
         xds=parse_host_port(args.xds) if args.xds is not None else None,
-        body_buffer_bytes=_int(
-            "--body-buffer-bytes", args.body_buffer_bytes, low=1024, high=2**31 - 1
-        ),
-        max_body_bytes=_int("--max-body-bytes", args.max_body_bytes, low=1, high=2**40),
+        body_buffer_bytes=body_buffer,
+        max_body_bytes=max_body,
         ext_proc_timeout_ms=_int(
             "--ext-proc-timeout-ms", args.ext_proc_timeout_ms, low=1, high=60_000
         ),
