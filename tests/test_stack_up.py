@@ -179,6 +179,32 @@ def test_up_stops_everything_when_the_process_that_started_it_exits(tmp_path: Pa
         assert f"parent {parent.pid} exited: stopping" in parent.output(), parent.output()
 
 
+def test_a_signal_during_start_up_or_a_hangup_stops_everything_at_once(tmp_path: Path) -> None:
+    """Ctrl-C while up waits for a fleet still loading (it waits up to a minute) stops it
+    at once; so does SIGHUP (a closed terminal), which once killed up and left its stack
+    running."""
+    ports = {name: free_port() for name in ("port", "admin-port", "envoy-admin-port", "xds-port")}
+    base = ["--run-dir", str(tmp_path / "run"), "--ext-procs", "1"]
+    base += ["--redis-url", REDIS_URL, "--namespace", f"test-up-{uuid.uuid4().hex[:8]}:"]
+    for name, port in ports.items():
+        base += [f"--{name}", str(port)]
+    loading = [*base, "--backend", f"http://127.0.0.1:{free_port()}"]  # nothing answers there
+    with UpProcess(loading, tmp_path / "loading.out") as up:
+        wait_until(lambda: len(up.track()) >= 4, 60, "the control plane, ext_proc and Envoy")
+        assert up.popen is not None
+        up.popen.send_signal(signal.SIGINT)
+        assert up.popen.wait(timeout=15) == 0
+        wait_until(lambda: up.leftovers() == [], 15, "the stack to stop")
+        assert "SIGINT during start-up" in up.output(), up.output()
+    with UpProcess([*base, "--instances", "1"], tmp_path / "up.out") as up:
+        up.wait_up()
+        up.track()
+        assert up.popen is not None
+        up.popen.send_signal(signal.SIGHUP)
+        assert up.popen.wait(timeout=30) == 0
+        assert up.leftovers() == []
+
+
 def test_a_taken_port_is_a_one_line_error(tmp_path: Path) -> None:
     with socket.socket() as taken:
         taken.bind(("127.0.0.1", 0))

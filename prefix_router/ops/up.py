@@ -592,17 +592,30 @@ def stop_when_orphaned(parent: int, stop: threading.Event, poll_s: float = 0.5) 
         if os.getppid() != parent:
             print(f"parent {parent} exited: stopping", file=sys.stderr, flush=True)
             stop.set()
+            os.kill(os.getpid(), signal.SIGTERM)  # the main thread may be starting the stack
+
+
+STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
+"""Each stops the stack and every process in it: SIGHUP is a closed terminal or a dropped
+ssh session, and the children, each in a session of its own, would not get it."""
+
+
+class Interrupted(Exception):
+    """A stop signal arrived while the stack was starting."""
 
 
 def main(argv: Sequence[str] | None = None) -> int:
     settings, config = resolve_settings(list(argv or []))
     stop = threading.Event()
+    starting = True
 
     def on_signal(signum: int, _frame: object) -> None:
         stop.set()
+        if starting:  # start-up waits up to a minute for the fleet: leave it at once
+            raise Interrupted(signal.Signals(signum).name)
 
-    signal.signal(signal.SIGTERM, on_signal)
-    signal.signal(signal.SIGINT, on_signal)
+    for signum in STOP_SIGNALS:
+        signal.signal(signum, on_signal)
     if settings.exit_with_parent:
         threading.Thread(
             target=stop_when_orphaned, args=(os.getppid(), stop), name="parent-watch", daemon=True
@@ -611,9 +624,14 @@ def main(argv: Sequence[str] | None = None) -> int:
         stack = Stack(settings, config)
         try:
             stack.start()
-            print(stack.banner(), flush=True)
+            starting = False
+            if not stop.is_set():
+                print(stack.banner(), flush=True)
             supervise(stack, stop)
+        except Interrupted as signal_name:
+            print(f"{signal_name} during start-up", file=sys.stderr, flush=True)
         finally:
+            starting = False
             if stack.procs:
                 print("stopping...", file=sys.stderr, flush=True)
             stack.stop()
