@@ -128,3 +128,24 @@ def test_an_instance_address_is_an_ip_or_a_host_name(address: str) -> None:
 def test_anything_else_is_refused_before_it_reaches_a_url_or_a_lookup(address: str) -> None:
     with pytest.raises(FleetError, match="instance address"):
         check_address(address)
+
+
+@pytest.mark.parametrize(
+    ("url", "instance"),
+    [
+        ("http://10.0.0.7:8000", Instance("10.0.0.7", 8000)),
+        ("10.0.0.7:8000:2", Instance("10.0.0.7", 8000, weight=2)),
+        ("HTTP://[fd00::7]:8000/", Instance("fd00::7", 8000)),
+        ("http://vllm-0:8000#llama", Instance("vllm-0", 8000, models=("llama",))),
+    ],
+)
+def test_a_backend_url_is_an_http_instance(url: str, instance: Instance) -> None:
+    assert Instance.from_url(url) == instance
+
+
+@pytest.mark.parametrize(
+    "url", ["https://10.0.0.7:8443", "grpc://10.0.0.7:1", "http://10.0.0.7", "http://h:8000/v1"]
+)
+def test_a_backend_url_envoy_would_not_reach_as_written_is_refused(url: str) -> None:
+    with pytest.raises(FleetError, match="backend"):
+        Instance.from_url(url)

@@ -174,7 +174,13 @@ class Instance:
         ``--backend`` flag); the models after ``#`` are declared (:mod:`.pools`)."""
         url, _, served = url.partition("#")
         models = tuple(m.strip() for m in served.split(",") if m.strip())
-        rest = url.split("://", 1)[-1].rstrip("/")
+        scheme, sep, rest = url.partition("://")
+        if sep and scheme.lower() != "http":
+            raise FleetError(
+                f"backend {url!r}: only http:// instances are supported (Envoy, the health "
+                "checks and the metrics scrapes reach each instance in plain HTTP)"
+            )
+        rest = (rest if sep else url).rstrip("/")
         if rest.startswith("["):
             host, _, tail = rest[1:].partition("]")
             fields = tail.lstrip(":").split(":")
