@@ -37,6 +37,11 @@ def test_flags_beat_env_beat_file(tmp_path: Path) -> None:
 def test_what_each_simulator_serves_is_a_repeated_flag_or_a_semicolon_list() -> None:
     flags, _ = resolve_settings(["--sim-serve", "base-a", "--sim-serve", "base-b,b-sql"], {})
     env, _ = resolve_settings([], {"PREFIX_ROUTER_SIM_SERVE": "base-a;base-b,b-sql"})
+    backends = {"PREFIX_ROUTER_BACKEND": "http://a:8000#llama,llama-lora;http://b:8000"}
+    assert resolve_settings([], backends)[0].backend == [  # a model list keeps its commas
+        "http://a:8000#llama,llama-lora",
+        "http://b:8000",
+    ]
     assert flags.sim_serve == env.sim_serve == ["base-a", "base-b,b-sql"]
 
 
@@ -45,6 +50,12 @@ def test_invalid_settings_are_one_clear_message(tmp_path: Path) -> None:
         resolve_settings(["--ext-procs", "0"], {})
     with pytest.raises(ConfigError, match="must differ"):
         resolve_settings(["--port", "9000", "--admin-port", "9000"], {})
+    with pytest.raises(ConfigError, match="IPv4"):
+        resolve_settings(["--host", "localhost"], {})
+    with pytest.raises(ConfigError, match="IPv4"):
+        resolve_settings(["--host", "::1"], {})
+    with pytest.raises(ConfigError, match="redis://"):
+        resolve_settings(["--redis-url", "127.0.0.1:6379"], {})
     bad = tmp_path / "routing.yaml"
     bad.write_text("routing:\n  prefix_length: 0\n")
     with pytest.raises(ConfigError, match="prefix_length"):

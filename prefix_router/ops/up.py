@@ -27,6 +27,7 @@ from __future__ import annotations
 import argparse
 import contextlib
 import fcntl
+import ipaddress
 import json
 import os
 import secrets
@@ -41,7 +42,7 @@ from pathlib import Path
 from typing import Any
 
 import yaml
-from pydantic import BaseModel, ConfigDict, Field, ValidationError, model_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from prefix_router.core.config import RouterConfig, describe_validation_error, parse_config
 from prefix_router.core.errors import ConfigError, StartupError
@@ -123,6 +124,27 @@ class UpSettings(BaseModel):
             return self.clock_scale
         return 1.0 if self.backend else self.sim_time_scale
 
+    @field_validator("host")
+    @classmethod
+    def _ipv4(cls, host: str) -> str:
+        """Every listener binds it and every process reaches the others there: an IPv4
+        address (a name would reach Envoy as "malformed IP address")."""
+        try:
+            ipaddress.IPv4Address(host)
+        except ValueError:
+            raise ValueError(
+                f"{host!r} is not an IPv4 address (127.0.0.1, 0.0.0.0, or one of this "
+                "machine's); up does not listen on IPv6"
+            ) from None
+        return host
+
+    @field_validator("redis_url")
+    @classmethod
+    def _redis_scheme(cls, url: str | None) -> str | None:
+        if url is not None and url.partition("://")[0] not in ("redis", "rediss", "unix"):
+            raise ValueError(f"{url!r} is not a redis://, rediss:// or unix:// URL")
+        return url
+
     @model_validator(mode="after")
     def _distinct_ports(self) -> UpSettings:
         ports = [self.port, self.admin_port, self.envoy_admin_port, self.xds_port]
@@ -131,7 +153,7 @@ class UpSettings(BaseModel):
         return self
 
 
-_LISTS = {"backend": ",", "sim_serve": ";"}
+_LISTS = {"backend": ";", "sim_serve": ";"}
 """Repeatable settings -> the separator of their env var's items."""
 
 
@@ -530,7 +552,8 @@ class Stack:
         ]
         if self.redis_url is not None:
             lines += [
-                f"  admin API         http://{s.host}:{s.admin_port}  (docs at /docs)",
+                f"  admin API         http://{s.host}:{s.admin_port}  (every route needs "
+                "'Authorization: Bearer <admin token>'; its OpenAPI document: /openapi.json)",
                 f"  admin token       {self.token}",
                 f"  status page       http://{s.host}:{s.admin_port}/ui",
                 f"  metrics           http://{s.host}:{s.admin_port}/metrics (control plane, "
