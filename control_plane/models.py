@@ -98,18 +98,42 @@ class ModelDiscovery:
         interval_s: float = 2.0,
         timeout_s: float = 1.0,
         client: httpx.AsyncClient | None = None,
+        api_key: str | None = None,
     ) -> None:
+        """``api_key``: what the instances were started with (vLLM's ``--api-key``), which
+        vLLM requires on every ``/v1`` path (not on ``/health`` or ``/metrics``)."""
         self.store = store
         self.interval_s = interval_s
         self.timeout_s = timeout_s
         self.client = client or httpx.AsyncClient()
+        self.headers = {"Authorization": f"Bearer {api_key}"} if api_key else {}
+        self.refusals: dict[str, int] = {}
+        """Per instance, the status of its last refusal, logged once until it changes."""
 
     async def ask(self, instance: Instance) -> tuple[ServedModel, ...] | None:
         try:
-            r = await self.client.get(f"http://{instance.id}{MODELS_PATH}", timeout=self.timeout_s)
-            return parse_models(r.json()) if r.status_code == 200 else None
+            r = await self.client.get(
+                f"http://{instance.id}{MODELS_PATH}", timeout=self.timeout_s, headers=self.headers
+            )
+            if r.status_code != 200:
+                self._refused(instance, r.status_code)
+                return None
+            self.refusals.pop(instance.id, None)
+            return parse_models(r.json())
         except (httpx.HTTPError, httpx.InvalidURL, ValueError):
             return None
+
+    def _refused(self, instance: Instance, status: int) -> None:
+        if self.refusals.get(instance.id) == status:
+            return
+        self.refusals[instance.id] = status
+        hint = (
+            ": give the control plane the instances' API key (--instance-api-key-file or "
+            "VLLM_API_KEY)"
+            if status in (401, 403)
+            else ""
+        )
+        log.warning("%s answered %d to GET %s%s", instance.id, status, MODELS_PATH, hint)
 
     async def discover_once(self) -> dict[str, tuple[ServedModel, ...]]:
         """Ask every instance once; publish what changed. Returns {id: now discovered}."""

@@ -61,6 +61,8 @@ from prefix_router.state.store import DEFAULT_NAMESPACE, StateStore, watch_state
 log = logging.getLogger("prefix_router.control_plane")
 
 TOKEN_ENV = "PREFIX_ROUTER_ADMIN_TOKEN"
+INSTANCE_API_KEY_ENV = "VLLM_API_KEY"
+"""The variable vLLM itself reads its --api-key from."""
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 
@@ -90,6 +92,8 @@ class Settings:
     model_discovery: bool = False
     """Learn each instance's models from its ``GET /v1/models`` (control_plane/models.py)."""
     model_discovery_interval_s: float = 2.0
+    instance_api_key: str | None = None
+    """Sent as a bearer token to the instances' ``/v1/models`` (vLLM's ``--api-key``)."""
     clock_scale: float = 1.0
     """The instances' seconds per wall second (a simulated fleet's time scale): the fleet
     view's windows, and so the prefill rates it learns, are in the instances' seconds."""
@@ -141,6 +145,17 @@ def resolve_token(token_file: str | None, admin_host: str) -> str | None:
             "(only a loopback address may run without one)"
         )
     return token
+
+
+def resolve_instance_api_key(key_file: str | None) -> str | None:
+    """The instances' API key: from ``key_file`` (a mounted Secret), else the environment."""
+    if key_file:
+        try:
+            with open(key_file) as f:
+                return f.read().strip() or None
+        except OSError as exc:
+            raise StartupError(f"cannot read --instance-api-key-file {key_file}: {exc}") from None
+    return os.environ.get(INSTANCE_API_KEY_ENV) or None
 
 
 def _is_loopback(host: str) -> bool:
@@ -241,7 +256,11 @@ async def run(settings: Settings, stop: asyncio.Event) -> None:
     if settings.fleet_scrape_interval_s > 0:
         tasks.append(asyncio.create_task(view.run(stop), name="fleet-view"))
     if settings.model_discovery:
-        discovery = ModelDiscovery(store, interval_s=settings.model_discovery_interval_s)
+        discovery = ModelDiscovery(
+            store,
+            interval_s=settings.model_discovery_interval_s,
+            api_key=settings.instance_api_key,
+        )
         tasks.append(asyncio.create_task(discovery.run(stop), name="model-discovery"))
     await grpc_server.start()
     for name in ("", ADS_SERVICE):
@@ -387,6 +406,11 @@ def _parser() -> argparse.ArgumentParser:
         default=2.0,
         help="seconds between two rounds of model discovery",
     )
+    p.add_argument(
+        "--instance-api-key-file",
+        help=f"the API key the instances run with (vLLM's --api-key), for model discovery "
+        f"(else ${INSTANCE_API_KEY_ENV})",
+    )
     p.add_argument("--clock-scale", type=parse_clock_scale, default=1.0, help=CLOCK_SCALE_HELP)
     limits = XdsLimits()
     for field, (kind, help_) in XDS_LIMIT_FLAGS.items():
@@ -430,6 +454,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         fleet_metrics_path=args.fleet_metrics_path,
         model_discovery=args.discover_models,
         model_discovery_interval_s=args.model_discovery_interval,
+        instance_api_key=resolve_instance_api_key(args.instance_api_key_file),
         clock_scale=args.clock_scale,
         xds_limits=xds_limits,
         http_max_connections=args.http_max_connections,

@@ -3,16 +3,21 @@ control plane, ext_proc and Envoy while adapters are loaded and unloaded at runt
 
 from __future__ import annotations
 
+import logging
 from collections.abc import Iterator
 from typing import Any
 
 import httpx
 import pytest
+import uvicorn
+from fastapi import FastAPI, Header, HTTPException
 
-from control_plane.models import disagreements, parse_models, pools_doc
+from control_plane.models import ModelDiscovery, disagreements, parse_models, pools_doc
 from prefix_router.core.fleet import Fleet, Instance, ServedModel
+from prefix_router.ops.procs import free_port
 from tests.conftest import ProcessReaper
-from tests.support.redis_ns import delete_namespace, unique_namespace
+from tests.support.redis_ns import delete_namespace, fresh_store, unique_namespace
+from tests.support.uvicorn_server import uvicorn_serving
 from tests.support.wait import wait_until
 from tests.support.xds_stack import XdsStack, start_xds_stack
 
@@ -64,6 +69,33 @@ def test_declared_and_discovered_disagreements_are_listed() -> None:
 
 
 SERVES = [["base-a"], ["base-a", "a-sql"], ["base-b"]]
+
+
+async def test_instances_run_with_an_api_key_are_asked_with_it(
+    caplog: pytest.LogCaptureFixture,
+) -> None:
+    """vLLM started with ``--api-key`` refuses ``/v1/models`` without it: discovery sends
+    the key it was given, and says once per instance why it learns nothing without."""
+    app = FastAPI()
+
+    @app.get("/v1/models")
+    async def models(authorization: str | None = Header(None)) -> dict[str, Any]:
+        if authorization != "Bearer sk-test":
+            raise HTTPException(401, "unauthorized")
+        return VLLM_MODELS
+
+    port = free_port()
+    instance = Instance("127.0.0.1", port)
+    config = uvicorn.Config(app, host="127.0.0.1", port=port, log_level="warning")
+    async with uvicorn_serving(config), fresh_store() as store:
+        with_key = ModelDiscovery(store, api_key="sk-test")
+        assert await with_key.ask(instance) == parse_models(VLLM_MODELS)
+        without = ModelDiscovery(store)
+        caplog.set_level(logging.WARNING, logger="prefix_router.control_plane.models")
+        assert await without.ask(instance) is None
+        assert await without.ask(instance) is None
+        [record] = [r for r in caplog.records if "answered 401" in r.getMessage()]
+        assert "VLLM_API_KEY" in record.getMessage()
 
 
 @pytest.fixture
