@@ -10,6 +10,7 @@ from prefix_router.core.config import PrefixMode
 from prefix_router.core.key import (
     DEFAULT_OUTPUT_TOKENS,
     MAX_OUTPUT_TOKENS,
+    MEDIA_PART_TOKENS,
     Fallback,
     KeySettings,
     MessageEnd,
@@ -163,6 +164,35 @@ def test_a_media_part_is_keyed_on_its_prefix_only() -> None:
     assert key(_image_request(head + "A" * 200_000)) == key(_image_request(head + "B" * 300_000))
     assert key(_image_request("A" + head)) != key(_image_request("B" + head))
     assert key(_image_request(head)) != key(_image_request(head, question="What is that?"))
+
+
+def test_an_image_counts_as_the_tokens_a_vision_model_makes_of_it_not_its_base64() -> None:
+    """A 1 MB base64 image counted by its bytes was the 128k-token cap: seconds of imagined
+    prefill, and a third of an instance's KV cache written."""
+    question = "What is in this picture? " * 40
+    text_only = extract_key(json.dumps({"model": "m", "messages": [
+        {"role": "user", "content": question}]}).encode(), settings=OPENAI)  # fmt: skip
+    for size in (1_000, 1_000_000):
+        k = extract_key(_image_request("A" * size, question=question).encode(), settings=OPENAI)
+        assert k.fallback is None
+        assert text_only.prompt_tokens + MEDIA_PART_TOKENS <= k.prompt_tokens
+        assert k.prompt_tokens < text_only.prompt_tokens + MEDIA_PART_TOKENS + 50
+    responses = {"model": "m", "input": [{"role": "user", "content": [
+        {"type": "input_text", "text": "hi"},
+        {"type": "input_image", "image_url": "data:image/png;base64," + "A" * 1_000_000},
+    ]}]}  # fmt: skip
+    k = extract_key(json.dumps(responses).encode(), settings=OPENAI, path="/v1/responses")
+    assert MEDIA_PART_TOKENS <= k.prompt_tokens < MEDIA_PART_TOKENS + 100
+
+
+def test_a_null_name_is_no_name() -> None:
+    """Clients send ``"name": null``; vLLM takes it as absent, and so does the key (it fell
+    back to the raw bytes)."""
+    named = [{"role": "user", "content": "hi", "name": None}]
+    k = extract_key(json.dumps({"model": "m", "messages": named}).encode(), settings=OPENAI)
+    assert k.fallback is None
+    assert k.value == key(json.dumps({"model": "m", "messages": [{"role": "user",
+                                                                  "content": "hi"}]}))  # fmt: skip
 
 
 def test_parts_past_the_prefix_are_not_rendered_but_the_prefix_is_unchanged() -> None:

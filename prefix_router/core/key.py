@@ -40,7 +40,8 @@ hash. With ``block_bytes`` 0 the whole prefix is one block: the fixed-length key
 
 The key (the ``x-prefix-key`` value Envoy's ring hashes with xxh64) is the last block's
 hash in hex. The request's prompt size, which the router weighs as prefill work, is
-estimated from the body: ``len(body) / BYTES_PER_TOKEN`` tokens.
+estimated from the body: ``len(body) / BYTES_PER_TOKEN`` tokens, where an image, audio or
+file part of a message counts ``MEDIA_PART_TOKENS`` instead of its base64 data.
 
 Cost: one orjson parse plus one pass over at most PrefixLength bytes of rendering (~20 us
 for a 64 KB chat body) and one xxh64 per block. Rendering stops at PrefixLength: a 12 MB
@@ -74,6 +75,12 @@ MAX_PROMPT_TOKENS = 131_072
 be one prompt, and must not queue minutes of imagined prefill on an instance."""
 
 OPENAI_PATHS = frozenset({"/v1/chat/completions", "/v1/completions", "/v1/responses"})
+MEDIA_PART_TOKENS = 1_500
+"""Prompt tokens counted for one image, audio or file part of a message, whatever its size
+in the body: a vision model turns an image into ~1-3k tokens, where its base64 data would
+count as hundreds of thousands (a 1 MB image: the 128k-token cap, seconds of imagined
+prefill and a third of a KV cache written)."""
+_TEXT_PARTS = frozenset({"text", "input_text", "output_text"})
 
 _FIELD = "\x1f"
 _RECORD = "\x1e"
@@ -148,18 +155,26 @@ def extract_key(
     than its buffer: ``openai`` mode then keys on the raw bytes.
     """
     limit = settings.prefix_length
-    prompt_tokens = min(MAX_PROMPT_TOKENS, max(1, len(body) // BYTES_PER_TOKEN))
+    prompt_tokens = _prompt_tokens(len(body))
     if settings.mode is PrefixMode.OPENAI:
         try:
-            salt, prefix, messages, output, model = _render_openai(
+            salt, prefix, messages, output, model, media = _render_openai(
                 body, path=path, complete=complete, limit=limit, max_parse=settings.max_parse_bytes
             )
         except _Unrenderable as why:
             model = _raw_model(body, settings, complete) if why.reason in _PARSED_AGAIN else None
             return _key(tenant, "", body[:limit], settings, prompt_tokens, why.reason, model=model)
+        if media.parts:
+            prompt_tokens = _prompt_tokens(len(body) - media.chars, media.parts)
         return _key(tenant, salt, prefix, settings, prompt_tokens, None, output, model, messages)
     model = _raw_model(body, settings, complete)
     return _key(tenant, "", body[:limit], settings, prompt_tokens, None, model=model)
+
+
+def _prompt_tokens(text_bytes: int, media_parts: int = 0) -> int:
+    """The prompt's tokens, from the body's bytes that are not media and its media parts."""
+    tokens = text_bytes // BYTES_PER_TOKEN + media_parts * MEDIA_PART_TOKENS
+    return min(MAX_PROMPT_TOKENS, max(1, tokens))
 
 
 _PARSED_AGAIN = frozenset(
@@ -351,9 +366,9 @@ def _path_only(path: str) -> str:
 
 def _render_openai(
     body: bytes, *, path: str, complete: bool, limit: int, max_parse: int
-) -> tuple[str, bytes, tuple[MessageEnd, ...], int, str | None]:
+) -> tuple[str, bytes, tuple[MessageEnd, ...], int, str | None, Media]:
     """``(cache_salt, first limit bytes of the canonical rendering, where its messages end,
-    output tokens, model)`` or :class:`_Unrenderable`.
+    output tokens, model, its media parts)`` or :class:`_Unrenderable`.
 
     Parts are rendered lazily and only until ``limit`` bytes exist: what lies past
     the prefix is never examined.
@@ -380,7 +395,8 @@ def _render_openai(
         prefix, messages = _first_bytes(_render_parts(request, route, limit), limit)
         model = request.get("model")
         output = _output_tokens(request)
-        return salt, prefix, messages, output, model if isinstance(model, str) else None
+        media = _media(request, route)
+        return salt, prefix, messages, output, model if isinstance(model, str) else None, media
     except _Unrenderable:
         raise
     except (
@@ -392,6 +408,41 @@ def _render_openai(
         orjson.JSONEncodeError,
     ):
         raise _Unrenderable(Fallback.UNEXPECTED_SHAPE) from None
+
+
+class Media(NamedTuple):
+    """A request's media parts (image, audio, file): how many, and the characters of their
+    strings in the body (base64 data, URLs), which are not prompt text."""
+
+    parts: int = 0
+    chars: int = 0
+
+
+def _media(request: dict[str, Any], route: str) -> Media:
+    if route == "/v1/chat/completions":
+        items = request.get("messages")
+    elif route == "/v1/responses":
+        items = request.get("input")
+    else:
+        return Media()
+    parts = chars = 0
+    for item in items if isinstance(items, list) else ():
+        content = item.get("content") if isinstance(item, dict) else None
+        for part in content if isinstance(content, list) else ():
+            if isinstance(part, dict) and part.get("type", "text") not in _TEXT_PARTS:
+                parts += 1
+                chars += _string_chars(part)
+    return Media(parts, chars)
+
+
+def _string_chars(value: Any) -> int:
+    if isinstance(value, str):
+        return len(value)
+    if isinstance(value, dict):
+        return sum(_string_chars(v) for v in value.values())
+    if isinstance(value, list):
+        return sum(_string_chars(v) for v in value)
+    return 0
 
 
 Part = tuple[str, str | None]
@@ -470,7 +521,7 @@ def _render_messages(messages: Any, limit: int) -> Iterator[Part]:
         role = _text(message.get("role", ""))
         rendered = role + _FIELD + _render_content(message.get("content"), limit)
         for extra in ("name", "tool_call_id"):
-            if extra in message:
+            if message.get(extra) is not None:  # null is absent, as the server reads it
                 rendered += _FIELD + _text(message[extra])
         if message.get("tool_calls"):
             rendered += _FIELD + _canonical_json(_cut_strings(message["tool_calls"], limit))
@@ -499,7 +550,7 @@ def _render_content(content: Any, limit: int) -> str:
             piece = part
         elif isinstance(part, dict):
             kind = part.get("type", "text")
-            if kind in ("text", "input_text", "output_text"):
+            if kind in _TEXT_PARTS:
                 piece = _text(part.get("text", ""))
             else:
                 piece = _canonical_json(_cut_strings(part, limit))
