@@ -63,6 +63,22 @@ def test_the_secret_script_makes_a_fresh_password_that_url_and_acl_share() -> No
     assert urllib.parse.urlsplit(second["url"]).password != url.password
 
 
+def test_the_script_writes_the_same_pair_as_files_for_an_overlay(tmp_path: Path) -> None:
+    """``--files DIR``: what an overlay's secretGenerator reads (the documented install),
+    readable by its owner only."""
+    subprocess.run(["sh", str(SECRET_SCRIPT), "--files", str(tmp_path)], check=True, timeout=30)
+    url = urllib.parse.urlsplit((tmp_path / "redis-url").read_text().strip())
+    assert (url.scheme, url.username, url.hostname) == ("redis", "prefix-router", "redis")
+    assert url.password and len(url.password) == 64
+    assert (tmp_path / "redis-users.acl").read_text().splitlines() == [
+        "user default on nopass -@all +ping",
+        f"user prefix-router on >{url.password} ~prefix-router:* &prefix-router:* "
+        "+@all -@dangerous",
+    ]
+    for name in ("redis-url", "redis-users.acl"):
+        assert (tmp_path / name).stat().st_mode & 0o077 == 0
+
+
 def test_compose_dev_credentials_agree() -> None:
     url = urllib.parse.urlsplit((COMPOSE_DIR / "redis-url.dev").read_text().strip())
     acl = (COMPOSE_DIR / "redis-users.acl.dev").read_text().splitlines()
