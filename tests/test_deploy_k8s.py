@@ -436,9 +436,15 @@ def test_envoy_admin_is_on_loopback_and_probes_and_stats_use_the_probe_listener(
     annotations = by_kind("Deployment")["envoy"]["spec"]["template"]["metadata"]["annotations"]
     assert int(annotations["prometheus.io/port"]) == probe_port
     assert annotations["prometheus.io/path"] == "/stats/prometheus"
-    # preStop drains the data plane through the loopback admin, and only the data plane.
-    pre_stop = " ".join(envoy["lifecycle"]["preStop"]["exec"]["command"])
-    assert f"http://127.0.0.1:{admin_port}/drain_listeners?graceful&inboundonly" in pre_stop
+    # preStop drains the data plane through the loopback admin (envoy-drain: only the data
+    # plane, test_envoy_drain.py) and waits for its requests within the grace period.
+    command, args = parse_cli(envoy["lifecycle"]["preStop"]["exec"]["command"][3:])
+    assert envoy["lifecycle"]["preStop"]["exec"]["command"][:3] == ["python", "-m", "prefix_router"]
+    assert (command, args.one("--admin")) == ("envoy-drain", f"127.0.0.1:{admin_port}")
+    grace = by_kind("Deployment")["envoy"]["spec"]["template"]["spec"][
+        "terminationGracePeriodSeconds"
+    ]
+    assert 0 < float(args.one("--timeout")) <= grace - 10
     assert listeners["data_plane"]["traffic_direction"] == "INBOUND"
     assert "traffic_direction" not in listeners["probes"]
 

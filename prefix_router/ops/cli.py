@@ -21,6 +21,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "sim": ("vllm_sim.cli", "simulated vLLM instances (prefix cache + TTFT model)"),
     "bench": ("bench.cli", "benchmark routing policies through the real stack"),
     "envoy-bootstrap": ("prefix_router.ops.bootstrap_cli", "print an Envoy bootstrap"),
+    "envoy-drain": ("prefix_router.ops.drain_cli", "let Envoy's open requests finish (preStop)"),
 }
 
 

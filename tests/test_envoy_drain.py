@@ -1,0 +1,82 @@
+"""``prefix-router envoy-drain`` (Envoy's preStop hook) against a real Envoy: it returns once
+the requests open on the data plane have finished, not after a fixed sleep that cut the
+generations still streaming."""
+
+from __future__ import annotations
+
+import asyncio
+import time
+from collections.abc import AsyncIterator
+from pathlib import Path
+
+import httpx
+import pytest
+import uvicorn
+from starlette.applications import Starlette
+from starlette.requests import Request
+from starlette.responses import StreamingResponse
+from starlette.routing import Route
+
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.envoy.bootstrap import BootstrapParams
+from prefix_router.ops.drain_cli import drain, open_requests
+from prefix_router.ops.launch import start_envoy
+from prefix_router.ops.procs import free_port
+from tests.conftest import ProcessReaper
+from tests.support.uvicorn_server import uvicorn_serving
+
+pytestmark = pytest.mark.e2e
+
+STREAM_S = 3.0
+
+
+async def generate(_: Request) -> StreamingResponse:
+    """A generation streaming for ``STREAM_S`` seconds, a chunk every 0.1 s."""
+
+    async def chunks() -> AsyncIterator[bytes]:
+        for i in range(int(STREAM_S * 10)):
+            await asyncio.sleep(0.1)
+            yield f"data: {i}\n\n".encode()
+        yield b"data: [DONE]\n\n"
+
+    return StreamingResponse(chunks(), media_type="text/event-stream")
+
+
+async def test_the_drain_waits_for_the_streams_open_and_no_longer(
+    procs: ProcessReaper, log_dir: Path
+) -> None:
+    backend = free_port()
+    app = Starlette(routes=[Route("/v1/chat/completions", generate, methods=["POST"])])
+    config = uvicorn.Config(app, host="127.0.0.1", port=backend, log_level="warning")
+    params = BootstrapParams(listen_port=free_port(), admin_port=free_port(), ext_proc=())
+    fleet = Fleet.of([Instance("127.0.0.1", backend)])
+    envoy = procs.add(start_envoy(params, RouterConfig(), log_dir, fleet=fleet))
+    admin = f"127.0.0.1:{params.admin_port}"
+    url = f"http://127.0.0.1:{params.listen_port}/v1/chat/completions"
+    async with uvicorn_serving(config), httpx.AsyncClient(timeout=30) as client:
+
+        async def stream() -> bytes:
+            async with client.stream("POST", url, json={"model": "m", "stream": True}) as r:
+                assert r.status_code == 200
+                return b"".join([chunk async for chunk in r.aiter_bytes()])
+
+        generation = asyncio.create_task(stream())
+        deadline = time.monotonic() + 10
+        while not await asyncio.to_thread(open_requests, admin):
+            assert time.monotonic() < deadline, "Envoy never counted the stream as open"
+            await asyncio.sleep(0.05)
+        started = time.monotonic()
+        left = await asyncio.to_thread(drain, admin, timeout_s=30, settle_s=0.2, poll_s=0.1)
+        waited = time.monotonic() - started
+        assert left == 0
+        assert generation.done(), "the drain returned while the stream was still open"
+        assert (await generation).endswith(b"data: [DONE]\n\n")  # whole: nothing was cut
+        assert 1.0 < waited < STREAM_S + 5
+
+    # with nothing open, it returns once the settle time is over
+    started = time.monotonic()
+    assert await asyncio.to_thread(drain, admin, timeout_s=30, settle_s=0.2, poll_s=0.1) == 0
+    assert time.monotonic() - started < 5
+    envoy.stop()
+    assert drain(admin, timeout_s=1, settle_s=0) is None  # no Envoy: nothing to wait for
