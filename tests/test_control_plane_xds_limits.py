@@ -40,6 +40,7 @@ def test_limits_become_grpc_channel_arguments() -> None:
         "grpc.max_allowed_incoming_connections": 7,
         "grpc.max_connection_idle_ms": 60_000,
         "grpc.max_concurrent_streams": 3,
+        "grpc.http2.min_ping_interval_without_data_ms": 10_000,  # Envoy's keepalive: 15 s
     }
 
 

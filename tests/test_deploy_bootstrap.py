@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import resource
 import subprocess
 from dataclasses import replace
 from pathlib import Path
@@ -15,7 +16,11 @@ import yaml
 
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.errors import ConfigError
-from prefix_router.envoy.bootstrap import BootstrapParams, render_bootstrap
+from prefix_router.envoy.bootstrap import (
+    BootstrapParams,
+    default_max_downstream_connections,
+    render_bootstrap,
+)
 from prefix_router.ops.bootstrap_cli import build, main, parse_host_port
 from prefix_router.ops.cli import main as cli_main
 from prefix_router.ops.launch import start_envoy, start_ext_proc, start_module
@@ -142,6 +147,27 @@ def test_the_cli_renders_what_prefix_router_up_renders_by_default() -> None:
     )
     params, *_ = build(["--ext-proc", "a:1", "--xds", "b:2", "--max-body-bytes", "1048576"], {})
     assert params.body_buffer_bytes == 1048576 + 64 * 1024
+
+
+def test_envoy_pings_the_control_plane_to_notice_one_gone_with_its_node() -> None:
+    params, config, fleet, _ = build(["--ext-proc", "a:1", "--xds", "10.1.2.3:18000"], {})
+    xds = _clusters(yaml.safe_load(render_bootstrap(params, config, fleet)))["xds"]
+    [options] = xds["typed_extension_protocol_options"].values()
+    keepalive = options["explicit_http_config"]["http2_protocol_options"]["connection_keepalive"]
+    assert keepalive == {"interval": "15s", "timeout": "5s"}
+
+
+def test_the_client_connection_cap_follows_the_hard_open_file_limit(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
+    """Envoy raises its soft limit to the hard one: a container started at 1,024 soft
+    under 524,288 hard (containerd 2, Docker 29) serves 262,144 clients, not 1,024."""
+    limits = {"containerd": (1024, 524_288), "small": (1024, 1024), "none": (1024, -1)}
+    expected = {"containerd": 262_144, "small": 1024, "none": 1_000_000}
+    for name, (soft, hard) in limits.items():
+        hard_limit = resource.RLIM_INFINITY if hard < 0 else hard
+        monkeypatch.setattr(resource, "getrlimit", lambda _, s=soft, h=hard_limit: (s, h))
+        assert default_max_downstream_connections() == expected[name], name
 
 
 @pytest.mark.parametrize(

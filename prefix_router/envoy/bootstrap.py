@@ -43,6 +43,9 @@ DEFAULT_MAX_BODY_BYTES = 64 * 1024 * 1024
 BODY_BUFFER_SLACK = 64 * 1024
 """Envoy buffers this much more than the largest body it routes."""
 DEFAULT_EXT_PROC_TIMEOUT_MS = 500
+XDS_KEEPALIVE_INTERVAL = "15s"
+XDS_KEEPALIVE_TIMEOUT = "5s"
+"""Envoy PINGs the control plane this often and reconnects if no answer comes this soon."""
 
 
 def template_path() -> Path:
@@ -94,11 +97,14 @@ class BootstrapParams:
 
 
 def default_max_downstream_connections() -> int:
-    """Half this process's open-file limit (at least 1,024; 1,000,000 if unlimited)."""
-    soft, _ = resource.getrlimit(resource.RLIMIT_NOFILE)
-    if soft == resource.RLIM_INFINITY:
+    """Half the open-file limit Envoy will run with (at least 1,024; 1,000,000 if
+    unlimited): the hard limit, as Envoy raises its soft limit to it at start. Container
+    runtimes now start processes at a soft limit of 1,024 (containerd 2, Docker 29) under
+    a hard one of 524,288: half the soft limit was a cap of 1,024 clients."""
+    _, hard = resource.getrlimit(resource.RLIMIT_NOFILE)
+    if hard == resource.RLIM_INFINITY:
         return 1_000_000
-    return max(1024, soft // 2)
+    return max(1024, hard // 2)
 
 
 def _static_cluster(
@@ -318,7 +324,15 @@ def render_bootstrap(
         clusters.append(_static_cluster(ADMIN_CLUSTER, (admin,), http2=False))
     dynamic = ""
     if params.xds is not None:
-        clusters.append(_static_cluster(XDS_CLUSTER, (params.xds,), http2=True))
+        xds = _static_cluster(XDS_CLUSTER, (params.xds,), http2=True)
+        # PINGs on the ADS connection: the control plane only pushes, so a peer gone with
+        # its node (no FIN, no RST) would otherwise go unnoticed and the fleet freeze.
+        options = next(iter(xds["typed_extension_protocol_options"].values()))
+        options["explicit_http_config"]["http2_protocol_options"]["connection_keepalive"] = {
+            "interval": XDS_KEEPALIVE_INTERVAL,
+            "timeout": XDS_KEEPALIVE_TIMEOUT,
+        }
+        clusters.append(xds)
         dynamic = "dynamic_resources:\n" + json.dumps(
             {
                 "ads_config": {
