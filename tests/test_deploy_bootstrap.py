@@ -229,9 +229,19 @@ def test_a_client_idle_time_below_envoys_minimum_is_a_config_error() -> None:
 
 
 def test_envoy_accepts_the_container_bootstrap(tmp_path: Path) -> None:
-    """The real Envoy validates the rendered bootstrap (no DNS lookups in validate mode)."""
+    """The real Envoy validates the rendered bootstrap (no DNS lookups in validate mode),
+    with the Kubernetes manifest's heap limit: 503s at 95% of it, not an OOM kill."""
     out = tmp_path / "envoy.yaml"
-    assert main([*CONTAINER_ARGS, "--out", str(out)]) == 0
+    assert main([*CONTAINER_ARGS, "--max-heap-bytes", str(900 * 2**20), "--out", str(out)]) == 0
+    manager = yaml.safe_load(out.read_text())["overload_manager"]
+    heap = "envoy.resource_monitors.fixed_heap"
+    assert [m["name"] for m in manager["resource_monitors"]][-1] == heap
+    assert {a["name"]: a["triggers"] for a in manager["actions"]} == {
+        "envoy.overload_actions.shrink_heap": [{"name": heap, "threshold": {"value": 0.9}}],
+        "envoy.overload_actions.stop_accepting_requests": [
+            {"name": heap, "threshold": {"value": 0.95}}
+        ],
+    }
     result = subprocess.run(
         [envoy_binary(), "--mode", "validate", "-c", str(out)],
         capture_output=True,

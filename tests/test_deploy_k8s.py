@@ -333,6 +333,11 @@ def test_components_agree_on_names_and_ports() -> None:
     assert boot.one("--listen-address") == boot.one("--probe-address") == "0.0.0.0"
     assert envoy.one("-c") == boot.one("--out")
     assert boot.one("--node-id") == "$(POD_NAME)"
+    # Envoy's heap limit sits below its container's memory limit: 503s before an OOM kill.
+    memory = envoy_c["resources"]["limits"]["memory"]
+    assert memory.endswith(("Gi", "Mi"))
+    limit = int(memory[:-2]) * (1024**3 if memory.endswith("Gi") else 1024**2)
+    assert 0.7 * limit <= int(boot.one("--max-heap-bytes")) <= 0.9 * limit
 
     # The shared state: both follow one Redis namespace, from one Secret.
     assert cp.one("--namespace") == xp.one("--namespace") == "$(REDIS_NAMESPACE)"

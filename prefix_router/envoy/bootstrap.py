@@ -86,6 +86,9 @@ class BootstrapParams:
     """Open client connections Envoy keeps; more are closed at once. None: half the
     open-file limit of the process that renders the bootstrap (Envoy's, when it starts
     Envoy), since a request in flight holds a client and an upstream connection."""
+    max_heap_bytes: int | None = None
+    """Envoy's heap limit (its container's memory limit, less a margin): past 95% of it new
+    requests get 503 rather than the process an OOM kill. None: no limit."""
     graceful_close: bool = True
     """Envoy half-closes each ext_proc stream at the request's end instead of resetting it
     (runtime flag ``ext_proc_graceful_grpc_close``; see the bootstrap). Off only to measure."""
@@ -152,6 +155,43 @@ def _static_cluster(
             }
         }
     return cluster
+
+
+def overload_manager(params: BootstrapParams) -> dict[str, Any]:
+    """Envoy's overload manager: the client connection cap, and the heap limit if any."""
+    limit = params.max_downstream_connections or default_max_downstream_connections()
+    monitors: list[dict[str, Any]] = [
+        {
+            "name": "envoy.resource_monitors.global_downstream_max_connections",
+            "typed_config": {
+                "@type": "type.googleapis.com/envoy.extensions.resource_monitors."
+                "downstream_connections.v3.DownstreamConnectionsConfig",
+                "max_active_downstream_connections": limit,
+            },
+        }
+    ]
+    manager: dict[str, Any] = {"resource_monitors": monitors}
+    if params.max_heap_bytes is not None:
+        heap = "envoy.resource_monitors.fixed_heap"
+        monitors.append(
+            {
+                "name": heap,
+                "typed_config": {
+                    "@type": "type.googleapis.com/envoy.extensions.resource_monitors."
+                    "fixed_heap.v3.FixedHeapConfig",
+                    "max_heap_size_bytes": params.max_heap_bytes,
+                },
+            }
+        )
+        manager["refresh_interval"] = "0.25s"
+        manager["actions"] = [
+            {
+                "name": f"envoy.overload_actions.{action}",
+                "triggers": [{"name": heap, "threshold": {"value": threshold}}],
+            }
+            for action, threshold in (("shrink_heap", 0.90), ("stop_accepting_requests", 0.95))
+        ]
+    return manager
 
 
 def _loopback_for(address: str) -> str:
@@ -377,8 +417,7 @@ def render_bootstrap(
         max_body_bytes=params.max_body_bytes,
         max_body_bytes_plus_one=params.max_body_bytes + 1,
         ext_proc_timeout=f"{params.ext_proc_timeout_ms / 1000:.3f}s",
-        max_downstream_connections=params.max_downstream_connections
-        or default_max_downstream_connections(),
+        overload_manager_json=json.dumps(overload_manager(params)),
         route_json=json.dumps(model_route(config, ext_proc=bool(params.ext_proc))),
         pool_route_json=json.dumps(pool_route(config)),
         static_clusters_json=json.dumps(clusters),

@@ -118,6 +118,12 @@ def _parser(environ: Mapping[str, str]) -> argparse.ArgumentParser:
         "client connections Envoy keeps open; more are closed at once (default: half the "
         "open-file limit where this runs)",
     )
+    add(
+        "--max-heap-bytes",
+        None,
+        "Envoy's heap limit (its container's memory limit less a margin): past 95%% of it "
+        "new requests get 503 instead of the process an OOM kill",
+    )
     add("--out", None, "write here (atomically) instead of stdout")
     return p
 
@@ -187,6 +193,9 @@ def build(
         ext_proc_timeout_ms=_int(
             "--ext-proc-timeout-ms", args.ext_proc_timeout_ms, low=1, high=60_000
         ),
+        max_heap_bytes=None
+        if args.max_heap_bytes is None
+        else _int("--max-heap-bytes", args.max_heap_bytes, low=64 * 1024 * 1024, high=2**48),
         max_downstream_connections=None
         if args.max_downstream_connections is None
         else _int(
