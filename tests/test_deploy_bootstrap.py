@@ -235,7 +235,9 @@ def test_envoy_accepts_the_container_bootstrap(tmp_path: Path) -> None:
     assert main([*CONTAINER_ARGS, "--max-heap-bytes", str(900 * 2**20), "--out", str(out)]) == 0
     manager = yaml.safe_load(out.read_text())["overload_manager"]
     heap = "envoy.resource_monitors.fixed_heap"
-    assert [m["name"] for m in manager["resource_monitors"]][-1] == heap
+    monitor = manager["resource_monitors"][-1]
+    assert (monitor["name"], monitor["typed_config"]["max_heap_size_bytes"]) == (heap, 900 * 2**20)
+    assert manager["refresh_interval"] == "0.25s"
     assert {a["name"]: a["triggers"] for a in manager["actions"]} == {
         "envoy.overload_actions.shrink_heap": [{"name": heap, "threshold": {"value": 0.9}}],
         "envoy.overload_actions.stop_accepting_requests": [

@@ -381,7 +381,9 @@ async def test_padded_data_and_a_header_block_in_continuation_frames(served: tup
     client.data_to_send()
     seen: list[h2.events.Event] = []
     while not any(isinstance(e, h2.events.StreamEnded) for e in seen):
-        seen += client.receive_data(await asyncio.wait_for(reader.read(65_536), 5.0))
+        data = await asyncio.wait_for(reader.read(65_536), 5.0)
+        assert data, "the server closed the connection before the stream ended"
+        seen += client.receive_data(data)
     assert body_of(seen) == frame_message(b"padded")
     writer.close()
 
@@ -435,7 +437,9 @@ async def test_a_stream_id_that_goes_backwards_opens_nothing(served: tuple) -> N
     writer.write(PREFACE + encode_frame(4, 0, 0) + opens + encode_frame(6, 0, 0, b"12345678"))
     received = b""
     while not any(k == 6 and f & 1 for k, f, _, _ in parse(received)):  # until the PING ACK
-        received += await asyncio.wait_for(reader.read(65_536), 5.0)
+        data = await asyncio.wait_for(reader.read(65_536), 5.0)
+        assert data, "the server closed the connection before its PING ACK"
+        received += data
     answered = {sid for k, _, sid, _ in parse(received) if k == 1}
     assert answered == {5}
     writer.close()

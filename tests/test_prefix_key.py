@@ -105,10 +105,29 @@ def test_completions_prompt_is_keyed() -> None:
 
 def test_tenants_and_cache_salts_never_share_a_key() -> None:
     body = json.dumps({"model": "m", "messages": MESSAGES})
-    salted = json.dumps({"model": "m", "messages": MESSAGES, "cache_salt": "s1"})
-    keys = {key(body), key(body, tenant="t1"), key(body, tenant="t2"), key(salted)}
-    assert len(keys) == 4
-    assert key(b"abc", settings=BYTES, tenant="t1") != key(b"abc", settings=BYTES, tenant="t2")
+
+    def salted(salt: str) -> str:
+        return json.dumps({"model": "m", "messages": MESSAGES, "cache_salt": salt})
+
+    keys = [key(body), key(body, tenant="t1"), key(body, tenant="t2")]
+    keys += [key(salted("s1")), key(salted("s2")), key(salted("s1"), tenant="t1")]
+    assert len(set(keys)) == len(keys)
+    # every way a body is keyed: bytes mode, and each of openai mode's fallbacks
+    big = b'{"model": "m", "prompt": "' + b"x" * (64 * 1024) + b'"}'
+    capped = KeySettings(prefix_length=1024, mode=PrefixMode.OPENAI, max_parse_bytes=64 * 1024)
+    fallbacks = [
+        (b"abc", BYTES, CHAT, {}),
+        (b"not json", OPENAI, CHAT, {}),
+        (b'{"input": "x"}', OPENAI, "/v1/embeddings", {}),
+        (body.encode()[:40], OPENAI, CHAT, {"complete": False}),
+        (big, capped, "/v1/completions", {}),
+    ]
+    for raw, settings, path, extra in fallbacks:
+        tenants = {
+            extract_key(raw, settings=settings, path=path, tenant=t, **extra).value
+            for t in ("", "t1", "t2")
+        }
+        assert len(tenants) == 3, (raw[:20], path)
 
 
 @pytest.mark.parametrize(

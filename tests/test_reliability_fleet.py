@@ -124,8 +124,8 @@ def test_a_killed_instance_is_taken_out_and_only_its_keys_move(
     victim = stack.backend_ports[1]
     with Load(stack.url) as load:
         wait_until(lambda: len(load.outcomes) >= 20, 30, "the load runs")
+        stack.backend_procs[victim].kill()  # returns once the process is reaped
         killed = time.monotonic()
-        stack.backend_procs[victim].kill()
         taken_out = wait_until(
             lambda: not routable_in_envoy(stack, f"127.0.0.1:{victim}"),
             30,

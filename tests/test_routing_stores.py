@@ -309,8 +309,7 @@ async def test_a_caller_giving_up_as_its_reservation_is_made_leaks_no_count(
             await waiter
         other = await store.route(key(doc("after")), table)  # a round trip after the writes
         store.release(other.instance_id)
-        await asyncio.sleep(0.1)
-        assert await store.in_flight() == {}, f"{reserved} kept the given-up request"
+        assert await settled(store, {}) == {}, f"{reserved} kept the given-up request"
     finally:
         await store.close()
 
@@ -499,7 +498,8 @@ async def test_a_dead_replicas_counts_disappear(namespace: str) -> None:
     dead = await RedisStore.connect(REDIS_URL, namespace=namespace)
     taken = [(await route(dead, doc(f"p{n}"))).instance_id for n in range(3)]
     dead.release(taken[0])  # its share now holds a field that went back to 0
-    await settled(dead, {t: taken[1:].count(t) for t in set(taken[1:])})
+    held = {t: taken[1:].count(t) for t in set(taken[1:])}
+    assert await settled(dead, held) == held  # its counts are in Redis before it dies
     await dead.stop_tasks()  # dies: no more heartbeats, no goodbye
     await dead.redis.delete(dead.alive_key)  # as if its heartbeat TTL ran out
     survivor = await RedisStore.connect(REDIS_URL, namespace=namespace)

@@ -7,7 +7,6 @@ import re
 import signal
 import socket
 import sys
-import uuid
 from pathlib import Path
 
 import httpx
@@ -124,7 +123,7 @@ def in_time_wait(port: int) -> bool:
         return False
 
 
-def test_up_serves_stops_cleanly_and_starts_again_at_once(tmp_path: Path) -> None:
+def test_up_serves_stops_cleanly_and_starts_again_at_once(namespace: str, tmp_path: Path) -> None:
     ports = {name: free_port() for name in ("port", "admin-port", "envoy-admin-port", "xds-port")}
     args = [
         "--run-dir",
@@ -138,7 +137,7 @@ def test_up_serves_stops_cleanly_and_starts_again_at_once(tmp_path: Path) -> Non
         "--redis-url",
         REDIS_URL,
         "--namespace",
-        f"test-up-{uuid.uuid4().hex[:8]}:",
+        namespace,
     ]
     for name, port in ports.items():
         args += [f"--{name}", str(port)]
@@ -190,13 +189,15 @@ def test_up_stops_everything_when_the_process_that_started_it_exits(tmp_path: Pa
         assert f"parent {parent.pid} exited: stopping" in parent.output(), parent.output()
 
 
-def test_a_signal_during_start_up_or_a_hangup_stops_everything_at_once(tmp_path: Path) -> None:
+def test_a_signal_during_start_up_or_a_hangup_stops_everything_at_once(
+    namespace: str, tmp_path: Path
+) -> None:
     """Ctrl-C while up waits for a fleet still loading (it waits up to a minute) stops it
     at once; so does SIGHUP (a closed terminal), which once killed up and left its stack
     running."""
     ports = {name: free_port() for name in ("port", "admin-port", "envoy-admin-port", "xds-port")}
     base = ["--run-dir", str(tmp_path / "run"), "--ext-procs", "1"]
-    base += ["--redis-url", REDIS_URL, "--namespace", f"test-up-{uuid.uuid4().hex[:8]}:"]
+    base += ["--redis-url", REDIS_URL, "--namespace", namespace]
     for name, port in ports.items():
         base += [f"--{name}", str(port)]
     loading = [*base, "--backend", f"http://127.0.0.1:{free_port()}"]  # nothing answers there
