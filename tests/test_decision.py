@@ -297,6 +297,25 @@ def test_a_busy_holder_loses_to_an_idle_instance_when_its_queue_outweighs_its_ca
     assert d.cached_tokens == 0 and d.prefill_tokens == 8001 // 4
 
 
+def test_when_every_candidate_is_over_the_threshold_the_ring_offers_more() -> None:
+    """ConcurrencyThreshold (4 here): a holder with 4 requests waiting for their first
+    token takes no new one while another instance can, even with few in flight; with one
+    ring candidate (placement width 1) the next ones on the ring are asked."""
+    table = RoutingTable.build(FLEET, CONFIG.patched({"placement": {"width": 1}}))
+    fleet = Fleetwide(table=table)
+    home = fleet.route(text("hot", 8000)).instance
+    fleet.now = 1000.0
+    ends = tuple(fleet.now + 0.01 * n for n in range(1, 5))  # 4 waiting, briefly
+    fleet.works[home] = InstanceWork(busy_until=ends[-1], ends=ends)
+    assert fleet.in_flight(home) == 0  # under the in-flight bound: only the threshold binds
+    # the same prompt again: its one ring candidate is its holder
+    assert fleet.table.ring_order(fleet.key(text("hot", 8000)).value)[0] == home
+    d = fleet.route(text("hot", 8000))
+    assert d.outcome is Outcome.SPILLED and d.instance != home
+    fleet.works[home] = InstanceWork(busy_until=ends[-2], ends=ends[:-1])  # 3 waiting
+    assert fleet.route(text("hot", 8000)).instance == home
+
+
 def test_an_instance_that_wrote_more_than_its_cache_holds_has_forgotten() -> None:
     fleet = Fleetwide(capacity=10_000)
     home = fleet.route(text("old", 4000)).instance
