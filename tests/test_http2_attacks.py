@@ -49,6 +49,7 @@ from tests.support.h2_frames import (
     PREFACE,
     RST_STREAM,
     SETTINGS,
+    WINDOW_UPDATE,
     frame,
     grpc_request,
     parse,
@@ -360,9 +361,13 @@ async def test_messages_larger_than_the_body_limit_are_refused_at_their_first_by
     peer.close()
 
 
-async def test_a_window_is_returned_only_as_messages_are_taken(ours: ExtProc) -> None:
-    """A stream that sends unfinished messages past the connection budget is failed, and
-    the windows it got back are only those of bytes charged to the budget."""
+async def test_a_stream_past_the_connection_budget_is_failed_and_the_others_keep_theirs(
+    ours: ExtProc,
+) -> None:
+    """Three streams send unfinished 1 MiB messages against a budget of two: the one past
+    it is failed, and the two within it got back the window of what they were charged, no
+    more (that windows go back only as messages are taken, not as bytes arrive:
+    test_http2_grpc_server.py::test_a_stream_whose_answer_waits_gets_no_window_back)."""
     peer = await Peer.connect(ours.port)
 
     async def attack() -> None:
@@ -376,12 +381,22 @@ async def test_a_window_is_returned_only_as_messages_are_taken(ours: ExtProc) ->
                     piece = message_header(MIB) + piece
                 if not await peer.send(frame(DATA, 0, sid, piece)):
                     return
-        await asyncio.sleep(0.5)
+        await asyncio.sleep(0.5)  # within the 2 s partial-message timeout
+        failed = peer.statuses()
+        held[:] = [s for s in sids if s not in failed]
+        for kind, _, sid, payload in peer.frames():
+            if kind == WINDOW_UPDATE and sid in held:
+                returned[sid] = returned.get(sid, 0) + int.from_bytes(payload, "big")
 
+    held: list[int] = []
+    returned: dict[int, int] = {}
     seen = await under_attack(ours, attack)
     seen.check()
     assert b"8" in peer.statuses().values()  # the stream over budget was failed
     assert ours.breaches().get("connection_partial_bytes", 0) >= 1
+    # the streams within the budget are open, with the window of what they were charged
+    assert len(held) == 2, held
+    assert all(0 < returned.get(sid, 0) <= MIB + 64 * 1024 for sid in held), returned
     peer.close()
 
 
