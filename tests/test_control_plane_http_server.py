@@ -34,11 +34,12 @@ async def serving(
     app: ASGIApp = hello,
     name: str = "test",
     max_connections: int = 64,
+    head_timeout_s: float = HEAD_TIMEOUT_S,
 ) -> AsyncIterator[int]:
     port = free_port()
     config = server_config(app, "127.0.0.1", port, name=name, max_connections=max_connections)
     assert isinstance(config.http, type)
-    config.http = type("ShortDeadline", (config.http,), {"head_timeout_s": HEAD_TIMEOUT_S})
+    config.http = type("ShortDeadline", (config.http,), {"head_timeout_s": head_timeout_s})
     config.timeout_keep_alive = keep_alive_s
     async with uvicorn_serving(config):
         yield port
@@ -147,7 +148,8 @@ async def test_a_connection_idle_after_its_answers_is_closed_without_a_breach() 
 
 async def test_past_the_cap_a_new_peer_evicts_the_connection_nearest_its_head_deadline() -> None:
     before = BREACHES["capped", "max_connections"]
-    async with serving(name="capped", max_connections=3) as port:
+    # a head deadline no slow machine reaches: the silent ones must outlive the eviction
+    async with serving(name="capped", max_connections=3, head_timeout_s=30) as port:
         silent = []
         for _ in range(3):
             silent.append(await asyncio.open_connection("127.0.0.1", port))
