@@ -21,6 +21,7 @@ from prefix_router.ops.procs import (
     free_port,
     group_members,
     port_is_free,
+    reserve_ports,
     unassigned_ports,
 )
 
@@ -96,6 +97,20 @@ def test_a_port_in_use_or_handed_out_lately_is_passed_over(monkeypatch: pytest.M
         picks = iter([in_use, handed_out, spare])
         monkeypatch.setattr(procs, "_pick", SimpleNamespace(choice=lambda _: next(picks)))
         assert free_port() == spare
+
+
+def test_a_reserved_port_is_never_handed_out(monkeypatch: pytest.MonkeyPatch) -> None:
+    """up's fixed ports are free until their process binds them: free_port must not pick
+    one for another process meanwhile."""
+    with socket.socket() as one, socket.socket() as other:
+        one.bind(("127.0.0.1", 0))
+        other.bind(("127.0.0.1", 0))
+        fixed, spare = one.getsockname()[1], other.getsockname()[1]
+    monkeypatch.setattr(procs, "_reserved", set())
+    picks = iter([fixed, spare])
+    monkeypatch.setattr(procs, "_pick", SimpleNamespace(choice=lambda _: next(picks)))
+    reserve_ports([fixed])
+    assert free_port() == spare
 
 
 @pytest.mark.parametrize(

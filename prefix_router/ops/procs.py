@@ -22,13 +22,14 @@ import subprocess
 import sys
 import time
 from collections import deque
-from collections.abc import Sequence
+from collections.abc import Iterable, Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 
 from prefix_router.core.errors import StartupError
 
 _handed_out: deque[int] = deque(maxlen=512)
+_reserved: set[int] = set()
 
 
 _LOCAL_PORT_RANGE = Path("/proc/sys/net/ipv4/ip_local_port_range")
@@ -65,10 +66,16 @@ def free_port(host: str = "127.0.0.1") -> int:
             except OSError:
                 continue  # in use
             port = int(s.getsockname()[1])
-        if port not in _handed_out:
+        if port not in _handed_out and port not in _reserved:
             _handed_out.append(port)
             return port
     raise StartupError("no free TCP port that was not just handed out")
+
+
+def reserve_ports(ports: Iterable[int]) -> None:
+    """Never hand these out: fixed ports a process will bind later (``up``'s --port,
+    --xds-port, ...), free now only because nothing has bound them yet."""
+    _reserved.update(ports)
 
 
 def port_is_free(port: int, host: str = "127.0.0.1") -> bool:

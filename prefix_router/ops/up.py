@@ -63,6 +63,7 @@ from prefix_router.ops.procs import (
     free_port,
     port_answers,
     port_is_free,
+    reserve_ports,
     wait_until_listening,
 )
 from prefix_router.ops.report import ReportPublisher
@@ -294,6 +295,7 @@ class Stack:
         ):
             if not port_is_free(port, s.host):
                 raise StartupError(f"port {port} ({name}) is taken: free it or choose another")
+        reserve_ports([s.port, s.admin_port, s.envoy_admin_port, s.xds_port])
 
     def start(self) -> None:
         self.check_ports()
