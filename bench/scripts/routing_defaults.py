@@ -200,7 +200,9 @@ def simulate_one(
     return out
 
 
-def figures(result: RunResult) -> dict[str, Any]:
+def figures(
+    result: RunResult, prefill_tokens_per_s: float = PREFILL_TOKENS_PER_S
+) -> dict[str, Any]:
     ok = result.ok
     arrivals = sorted(r.arrival_s for r in result.records)
     start, end = arrivals[len(arrivals) // 20], arrivals[-len(arrivals) // 20]
@@ -218,7 +220,7 @@ def figures(result: RunResult) -> dict[str, Any]:
         "ttft_p50_s": result.ttft(50),
         "ttft_p99_s": result.ttft(99),
         "max_share": max(shares) / statistics.fmean(shares),
-        "prefill_busy": computed / (len(shares) * PREFILL_TOKENS_PER_S * (end - start)),
+        "prefill_busy": computed / (len(shares) * prefill_tokens_per_s * (end - start)),
         "engine_busy": result.mean_busy,
     }
 
