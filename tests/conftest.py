@@ -12,8 +12,8 @@ from collections.abc import Iterator
 from pathlib import Path
 
 import pytest
-import redis
 
+from prefix_router.ops.launch import delete_namespace
 from prefix_router.ops.procs import ManagedProcess
 
 REDIS_URL = os.environ.get("REDIS_URL", "redis://127.0.0.1:6379/0")
@@ -59,10 +59,4 @@ def namespace() -> Iterator[str]:
     """
     ns = f"test-{uuid.uuid4().hex[:12]}:"
     yield ns
-    client = redis.Redis.from_url(REDIS_URL, socket_timeout=5)
-    try:
-        keys = list(client.scan_iter(match=f"{ns}*"))
-        if keys:
-            client.delete(*keys)
-    finally:
-        client.close()
+    delete_namespace(REDIS_URL, ns)

@@ -47,8 +47,11 @@ from bench.scripts._harness import (
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.envoy.bootstrap import BootstrapParams
-from prefix_router.ops.launch import start_envoy, start_ext_proc, start_module
+from prefix_router.ops.launch import delete_namespace, start_envoy, start_ext_proc, start_module
 from prefix_router.ops.procs import ManagedProcess, free_port
+
+NAMESPACE = "bench-dp:"
+"""The Redis key prefix of the ext_procs a run starts (deleted when it ends)."""
 
 PATHS = {
     "direct": "Envoy alone",
@@ -115,7 +118,7 @@ def main() -> None:
         config = RouterConfig()
         ep_args = [a for p in ports for a in ("--backend", f"127.0.0.1:{p}")]
         if args.redis_url:
-            ep_args += ["--redis-url", args.redis_url, "--namespace", "bench-dp:"]
+            ep_args += ["--redis-url", args.redis_url, "--namespace", NAMESPACE]
 
         def ours(transport: str) -> Callable[[int], ManagedProcess]:
             extra = ["--transport", transport]
@@ -269,6 +272,8 @@ def main() -> None:
     finally:
         for proc in reversed(started):
             proc.stop()
+        if args.redis_url:
+            delete_namespace(args.redis_url, NAMESPACE)
 
 
 if __name__ == "__main__":

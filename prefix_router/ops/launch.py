@@ -25,6 +25,7 @@ from prefix_router.ops.procs import (
     python_module_command,
     wait_until_listening,
 )
+from prefix_router.state.store import glob_escape
 
 
 @dataclass(frozen=True, slots=True)
@@ -214,3 +215,20 @@ def wait_routable(
             last = str(exc)
         time.sleep(0.2)
     raise StartupError(f"nothing routable through {base_url} in {timeout_s:.0f}s ({last})")
+
+
+def delete_namespace(redis_url: str, namespace: str, *, timeout_s: float = 5.0) -> int:
+    """Delete every key under ``namespace`` in the Redis at ``redis_url``; how many.
+
+    What ``up`` does before a local stack starts from its fleet file, and what a test or
+    benchmark does after its processes stop, so the next run finds none of its state.
+    Raises ``redis.RedisError`` when Redis does not answer within ``timeout_s``.
+    """
+    import redis
+
+    client = redis.Redis.from_url(redis_url, socket_timeout=timeout_s)
+    try:
+        keys = list(client.scan_iter(match=glob_escape(namespace) + "*"))
+        return int(client.delete(*keys)) if keys else 0
+    finally:
+        client.close()

@@ -49,6 +49,7 @@ from prefix_router.core.errors import ConfigError, StartupError
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.envoy.bootstrap import BootstrapParams
 from prefix_router.ops.launch import (
+    delete_namespace,
     envoy_command,
     envoy_live,
     start_envoy,
@@ -412,18 +413,13 @@ class Stack:
         import redis
 
         assert self.redis_url is not None
-        client = redis.Redis.from_url(self.redis_url, socket_timeout=5)
         try:
-            keys = list(client.scan_iter(match=f"{self.settings.namespace}*"))
-            if keys:
-                client.delete(*keys)
+            delete_namespace(self.redis_url, self.settings.namespace)
             self._cleared = True
         except redis.RedisError as exc:
             raise StartupError(
                 f"Redis at {redacted(self.redis_url)} does not answer: {exc}"
             ) from None
-        finally:
-            client.close()
 
     def control_plane_args(self, fleet_file: Path) -> list[str]:
         """The control plane's flags: where it listens and what it serves, from the

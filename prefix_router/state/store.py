@@ -357,7 +357,7 @@ class StateStore:
     async def delete_namespace(self) -> int:
         """Delete every key of this namespace (tests, ``--reset``). Returns how many."""
         deleted = 0
-        async for key in self.redis.scan_iter(match=_glob_escape(self.keys.namespace) + "*"):
+        async for key in self.redis.scan_iter(match=glob_escape(self.keys.namespace) + "*"):
             deleted += int(await self.redis.delete(key))
         return deleted
 
@@ -366,7 +366,8 @@ def _text(value: bytes | str) -> str:
     return value.decode() if isinstance(value, bytes) else value
 
 
-def _glob_escape(text: str) -> str:
+def glob_escape(text: str) -> str:
+    """``text`` matched literally by a Redis ``SCAN MATCH`` pattern."""
     return "".join(f"\\{c}" if c in "*?[]\\" else c for c in text)
 
 
