@@ -31,9 +31,10 @@ bisecting. Both are pure functions of a ``passes(x, seed)`` callback, table-test
 from __future__ import annotations
 
 import math
+import statistics
 import sys
 import time
-from collections.abc import Callable, Iterator, Mapping, Sequence
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence
 from concurrent.futures import ProcessPoolExecutor
 from dataclasses import asdict, dataclass, field, replace
 from pathlib import Path
@@ -44,7 +45,7 @@ import orjson
 from bench.des import DesSettings, simulate
 from bench.policies import ALL_POLICIES, Policy
 from bench.policies import parse_policies as _parse
-from bench.results import RunResult, percentile
+from bench.results import RequestRecord, RunResult, percentile
 from bench.spec import Arrival, Workload
 from bench.workloads import Common, describe, generate
 from prefix_router.core.config import RouterConfig
@@ -70,12 +71,19 @@ class Objective:
     fleet is sent fewer turns than offered (chat at 342 turns/s sent 131/s into round
     robin's window and still met the TTFT bounds). 0: not checked (results saved before
     the check)."""
+    max_tpot_s: float = 0.0
+    """Median time per output token of the requests that arrived in the window's first
+    half at most this many seconds (0: not checked): the decode speed users see. A fleet
+    past its capacity rarely shows it in TTFT (the scheduler admits new prompts while
+    every sequence's decode slows). The first half, because the second half's answers
+    finish while arrivals stop at the end of the run, with every step faster."""
 
     def __str__(self) -> str:
         served = f", completed >= {self.min_served:.0%} of offered" if self.min_served else ""
+        tpot = f", P50 TPOT <= {self.max_tpot_s * 1000:g} ms" if self.max_tpot_s else ""
         return (
             f"P50 TTFT <= {self.p50_s:g} s, P99 TTFT <= {self.p99_s:g} s, "
-            f"errors <= {self.max_errors}{served}"
+            f"errors <= {self.max_errors}{served}{tpot}"
         )
 
 
@@ -103,6 +111,8 @@ class Probe:
     completed: int | None = None
     """Requests that completed in the window, whenever they arrived (None: not measured,
     results saved before it was)."""
+    tpot_p50_s: float | None = None
+    """Median time per output token over the window's first half (None: not measured)."""
 
     @property
     def served_fraction(self) -> float | None:
@@ -148,12 +158,14 @@ def measure(
     )
     p50, p99 = percentile(ttfts, 50), percentile(ttfts, 99)
     errors = result.errors
+    tpot = tpot_p50(r for r in inside if r.arrival_s < (start + end) / 2)
     passed = (
         bool(inside)
         and p50 <= objective.p50_s
         and p99 <= objective.p99_s
         and errors <= objective.max_errors
         and completed >= objective.min_served * rate * (end - start)
+        and (not objective.max_tpot_s or (tpot is not None and tpot <= objective.max_tpot_s))
     )
     return Probe(
         rate=rate,
@@ -169,7 +181,19 @@ def measure(
         good_output_tokens=sum(r.output_tokens for r in good),
         hit_rate=result.hit_rate,
         completed=completed,
+        tpot_p50_s=tpot,
     )
+
+
+def tpot_p50(records: Iterable[RequestRecord]) -> float | None:
+    """Median time per output token after the first of the answered ``records`` with more
+    than one output token; None when there are none."""
+    per_token = sorted(
+        (r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
+        for r in records
+        if r.error is None and r.ttft_s is not None and r.e2e_s is not None and r.output_tokens > 1
+    )
+    return statistics.median(per_token) if per_token else None
 
 
 # -- the searches (pure) ----------------------------------------------------------------------
@@ -400,7 +424,7 @@ class ProbeSetup:
     objective: Objective = field(default_factory=Objective)
 
 
-class _LastArrival:
+class LastArrival:
     """Passes a workload's arrivals through and remembers the last one's time."""
 
     def __init__(self, workload: Workload) -> None:
@@ -423,7 +447,7 @@ def run_probe(setup: ProbeSetup, rate: float, instances: int, seed: int) -> Prob
         "requests": setup.plan.requests_at(rate),
         "seed": seed,
     }
-    tap = _LastArrival(generate(setup.workload, overrides))
+    tap = LastArrival(generate(setup.workload, overrides))
     settings = DesSettings(
         policy=setup.policy,
         engine=setup.engine,
@@ -478,7 +502,9 @@ def _log(setup: ProbeSetup, probe: Probe) -> None:
         f"  {setup.workload} {setup.policy.value}: {probe.rate:g} req/s on "
         f"{probe.instances}, seed {probe.seed}: P50 {probe.p50_s * 1000:,.0f} ms, P99 "
         f"{probe.p99_s * 1000:,.0f} ms, errors {probe.errors}, hit rate "
-        f"{probe.hit_rate:.0%}, completed {probe.served_fraction or 0:.0%} of offered -> "
+        f"{probe.hit_rate:.0%}, completed {probe.served_fraction or 0:.0%} of offered"
+        + ("" if probe.tpot_p50_s is None else f", P50 TPOT {probe.tpot_p50_s * 1000:.0f} ms")
+        + " -> "
         f"{'pass' if probe.passed else 'FAIL'} "
         f"({probe.cpu_s:.1f} CPU s)",
         file=sys.stderr,

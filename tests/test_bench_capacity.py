@@ -31,6 +31,7 @@ from bench.capacity import (
     search_fleet,
     search_rate,
     to_json,
+    tpot_p50,
 )
 from bench.policies import Policy
 from bench.results import RequestRecord, RunResult
@@ -211,6 +212,20 @@ def test_a_conversation_workload_sent_half_its_turns_fails() -> None:
     kept_up = [answered(t * 0.1, 0.1, 0.5) for t in range(100)]
     probe = measure(result_of(kept_up), (0.0, 10.0), Objective(), rate=10, instances=1, seed=1)
     assert probe.served_fraction == pytest.approx(0.96) and probe.passed
+
+
+def test_decode_slower_than_the_objective_fails_judged_on_the_windows_first_half() -> None:
+    # 10 output tokens; (e2e - ttft) / 9 per token. The first half decodes at 100 ms a
+    # token, the second (which would finish as arrivals stop) at 10 ms.
+    slow_first = [answered(t * 0.1, 0.1, 0.1 + 0.9 * (1 if t < 50 else 0.1)) for t in range(100)]
+    tpot = Objective(p50_s=1.0, p99_s=2.0, min_served=0.0, max_tpot_s=0.05)
+    probe = measure(result_of(slow_first), (0.0, 10.0), tpot, rate=10, instances=1, seed=1)
+    assert probe.tpot_p50_s == pytest.approx(0.1) and not probe.passed
+    fast_first = [answered(t * 0.1, 0.1, 0.1 + 0.9 * (0.1 if t < 50 else 1)) for t in range(100)]
+    probe = measure(result_of(fast_first), (0.0, 10.0), tpot, rate=10, instances=1, seed=1)
+    assert probe.tpot_p50_s == pytest.approx(0.01) and probe.passed
+    one_token = RequestRecord(arrival_s=0, instance="a", ttft_s=0.1, e2e_s=0.1, output_tokens=1)
+    assert tpot_p50([one_token, record(0, None, "500")]) is None  # nothing decoded
 
 
 TINY = [
