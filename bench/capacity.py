@@ -188,11 +188,11 @@ def measure(
 def tpot_p50(records: Iterable[RequestRecord]) -> float | None:
     """Median time per output token after the first of the answered ``records`` with more
     than one output token; None when there are none."""
-    per_token = sorted(
+    per_token = [
         (r.e2e_s - r.ttft_s) / (r.output_tokens - 1)
         for r in records
         if r.error is None and r.ttft_s is not None and r.e2e_s is not None and r.output_tokens > 1
-    )
+    ]
     return statistics.median(per_token) if per_token else None
 
 

@@ -93,7 +93,9 @@ from bench.scripts.routing_defaults import (  # noqa: E402
     _verdict,
     best_fixed,
     figures,
+    goal_table,
     goals,
+    goals_json,
     write_report,
 )
 from bench.workloads import generate  # noqa: E402
@@ -446,16 +448,13 @@ def report(out: Path) -> Path:
                 f"| {name} | " + " | ".join(fmt(v, rr50, rr99) for v in cols.values()) + " |"
                 for name, fmt in METRICS
             ),
-            "",
-            "| goal (prefix-spill) | verdict | figures by seed |",
-            "|---|---|---|",
-            *(f"| {g} | {_verdict(ok)} | {fig} |" for g, ok, fig in checks),
+            *goal_table(checks, "figures by seed"),
         ]
         verdicts += [f"| {w} | {g} | {_verdict(ok)} |" for g, ok, _ in checks if ok is not None]
         summary["workloads"][w] = {
             "seeds": {str(s): by_seed[s] for s in SEEDS},
             "best_fixed": best["label"],
-            "goals": [{"goal": g, "pass": ok, "figures": fig} for g, ok, fig in checks],
+            "goals": goals_json(checks),
         }
     lines += [
         "",

@@ -449,15 +449,14 @@ def report(out: Path) -> Path:
         for name, fmt in metrics:
             lines.append(f"| {name} | " + " | ".join(fmt(runs[c], rr) for c in cols) + " |")
         checks = goals(w, runs, "prefix-spill")
-        lines += ["", "| goal (prefix-spill) | verdict | figures |", "|---|---|---|"]
-        lines += [f"| {g} | {_verdict(ok)} | {fig} |" for g, ok, fig in checks]
+        lines += goal_table(checks)
         verdicts += [
             f"| {w} | {g} | {_verdict(ok)} | {fig} |" for g, ok, fig in checks if ok is not None
         ]
         summary["workloads"][w] = {
             "runs": runs,
             "best_fixed": best["label"],
-            "goals": [{"goal": g, "pass": ok, "figures": fig} for g, ok, fig in checks],
+            "goals": goals_json(checks),
         }
     lines += [
         "",
@@ -469,6 +468,20 @@ def report(out: Path) -> Path:
         "",
     ]
     return write_report(out, lines, summary)
+
+
+def goal_table(checks: list[Goal], figures: str = "figures") -> list[str]:
+    """A workload's goals as a markdown table (after a blank line)."""
+    return [
+        "",
+        f"| goal (prefix-spill) | verdict | {figures} |",
+        "|---|---|---|",
+        *(f"| {g} | {_verdict(ok)} | {fig} |" for g, ok, fig in checks),
+    ]
+
+
+def goals_json(checks: list[Goal]) -> list[dict[str, Any]]:
+    return [{"goal": g, "pass": ok, "figures": fig} for g, ok, fig in checks]
 
 
 def write_report(out: Path, lines: list[str], summary: Mapping[str, Any]) -> Path:
