@@ -80,15 +80,32 @@ def _service_args(service: dict[str, Any]) -> list[list[str]]:
     entrypoint = service.get("entrypoint")
     if entrypoint == ["/bin/sh", "-c"]:
         assert isinstance(command, list) and len(command) == 1
-        return parse_shell(command[0])
+        return [part for argv in parse_shell(command[0]) for part in _unwrapped(argv)]
     assert entrypoint is None, f"unexpected entrypoint {entrypoint}"
     return [["prefix-router", *map(str, command)]]
+
+
+def _unwrapped(argv: list[str]) -> list[list[str]]:
+    """``prefix-router envoy-run OPTIONS -- envoy ARGS`` -> its own argv and Envoy's."""
+    if argv[:2] != ["prefix-router", "envoy-run"]:
+        return [argv]
+    assert "--" in argv, f"envoy-run without a command: {argv}"
+    at = argv.index("--")
+    return [argv[:at], argv[at + 1 :]]
 
 
 def _cli(compose: dict[str, Any], name: str) -> tuple[str, ParsedArgs]:
     (argv,) = _service_args(compose["services"][name])
     assert argv[0] == "prefix-router"
     return parse_cli(argv[1:])
+
+
+def _seconds(duration: str) -> float:
+    """A compose duration (``10m``, ``90s``, ``1m30s``) in seconds."""
+    units = {"h": 3600, "m": 60, "s": 1}
+    parts = re.findall(r"(\d+(?:\.\d+)?)([hms])", duration)
+    assert parts and "".join(n + u for n, u in parts) == duration, duration
+    return sum(float(n) * units[u] for n, u in parts)
 
 
 def _container_path(service: dict[str, Any], path: str) -> Path:
@@ -204,8 +221,9 @@ def test_every_command_is_a_real_subcommand_with_real_flags(compose: dict[str, A
 def test_control_plane_and_envoy_agree(compose: dict[str, Any]) -> None:
     services = compose["services"]
     _, cp = _cli(compose, "control-plane")
-    bootstrap_argv, envoy_argv = _service_args(services["envoy"])
+    bootstrap_argv, run_argv, envoy_argv = _service_args(services["envoy"])
     _, boot = parse_cli(bootstrap_argv[1:])
+    _, run = parse_cli(run_argv[1:])
     envoy = parse_envoy(envoy_argv[1:])
 
     # Envoy reaches the control plane's xDS port by its service name.
@@ -225,6 +243,11 @@ def test_control_plane_and_envoy_agree(compose: dict[str, Any]) -> None:
     assert "/ready" in " ".join(services["envoy"]["healthcheck"]["test"])
     assert boot.one("--listen-address") == boot.one("--probe-address") == "0.0.0.0"
     assert boot.one("--admin-address") == "127.0.0.1"
+    # On `docker compose down` envoy-run drains Envoy through its admin, and docker waits
+    # longer than the drain may take before it kills the container.
+    admin = f"{boot.one('--admin-address')}:{boot.one('--admin-port')}"
+    assert run.one("--admin") == admin
+    assert _seconds(services["envoy"]["stop_grace_period"]) > float(run.one("--timeout")) + 5
     assert "$HOSTNAME" in boot.one("--node-id")  # one node id per Envoy container
     # Both read the same routing config, from a file that exists and validates.
     config = _container_path(services["control-plane"], cp.one("--config"))
@@ -238,7 +261,7 @@ def test_ext_proc_matches_envoy_and_redis(compose: dict[str, Any]) -> None:
     services = compose["services"]
     _, xp = _cli(compose, "ext-proc")
     _, cp = _cli(compose, "control-plane")
-    bootstrap_argv, _ = _service_args(services["envoy"])
+    bootstrap_argv, *_ = _service_args(services["envoy"])
     _, boot = parse_cli(bootstrap_argv[1:])
     assert [parse_host_port(v) for v in boot.options["--ext-proc"]] == [
         ("ext-proc", int(xp.one("--port")))
@@ -270,7 +293,7 @@ def test_ext_proc_matches_envoy_and_redis(compose: dict[str, Any]) -> None:
 def test_rendered_bootstrap_uses_dns_clusters(compose: dict[str, Any]) -> None:
     """What the envoy container renders at start, rendered here from the same flags."""
     services = compose["services"]
-    bootstrap_argv, _ = _service_args(services["envoy"])
+    bootstrap_argv, *_ = _service_args(services["envoy"])
     argv = list(bootstrap_argv[2:])
     config_at = argv.index("--config") + 1
     argv[config_at] = str(_container_path(services["envoy"], argv[config_at]))

@@ -6,16 +6,10 @@ from __future__ import annotations
 
 import asyncio
 import time
-from collections.abc import AsyncIterator
 from pathlib import Path
 
 import httpx
 import pytest
-import uvicorn
-from starlette.applications import Starlette
-from starlette.requests import Request
-from starlette.responses import StreamingResponse
-from starlette.routing import Route
 
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
@@ -24,6 +18,7 @@ from prefix_router.ops.drain_cli import drain, open_requests
 from prefix_router.ops.launch import start_envoy
 from prefix_router.ops.procs import free_port
 from tests.conftest import ProcessReaper
+from tests.support.streaming_backend import LAST_CHUNK, streaming_backend
 from tests.support.uvicorn_server import uvicorn_serving
 
 pytestmark = pytest.mark.e2e
@@ -31,24 +26,11 @@ pytestmark = pytest.mark.e2e
 STREAM_S = 3.0
 
 
-async def generate(_: Request) -> StreamingResponse:
-    """A generation streaming for ``STREAM_S`` seconds, a chunk every 0.1 s."""
-
-    async def chunks() -> AsyncIterator[bytes]:
-        for i in range(int(STREAM_S * 10)):
-            await asyncio.sleep(0.1)
-            yield f"data: {i}\n\n".encode()
-        yield b"data: [DONE]\n\n"
-
-    return StreamingResponse(chunks(), media_type="text/event-stream")
-
-
 async def test_the_drain_waits_for_the_streams_open_and_no_longer(
     procs: ProcessReaper, log_dir: Path
 ) -> None:
     backend = free_port()
-    app = Starlette(routes=[Route("/v1/chat/completions", generate, methods=["POST"])])
-    config = uvicorn.Config(app, host="127.0.0.1", port=backend, log_level="warning")
+    config = streaming_backend(backend, seconds=STREAM_S)
     params = BootstrapParams(listen_port=free_port(), admin_port=free_port(), ext_proc=())
     fleet = Fleet.of([Instance("127.0.0.1", backend)])
     envoy = procs.add(start_envoy(params, RouterConfig(), log_dir, fleet=fleet))
@@ -71,7 +53,7 @@ async def test_the_drain_waits_for_the_streams_open_and_no_longer(
         waited = time.monotonic() - started
         assert left == 0
         assert generation.done(), "the drain returned while the stream was still open"
-        assert (await generation).endswith(b"data: [DONE]\n\n")  # whole: nothing was cut
+        assert (await generation).endswith(LAST_CHUNK)  # whole: nothing was cut
         assert 1.0 < waited < STREAM_S + 5
 
     # with nothing open, it returns once the settle time is over

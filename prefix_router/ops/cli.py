@@ -22,6 +22,7 @@ COMMANDS: dict[str, tuple[str, str]] = {
     "bench": ("bench.cli", "benchmark routing policies through the real stack"),
     "envoy-bootstrap": ("prefix_router.ops.bootstrap_cli", "print an Envoy bootstrap"),
     "envoy-drain": ("prefix_router.ops.drain_cli", "let Envoy's open requests finish (preStop)"),
+    "envoy-run": ("prefix_router.ops.envoy_run", "run Envoy, drained before it stops (compose)"),
 }
 
 

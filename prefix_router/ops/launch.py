@@ -82,12 +82,15 @@ def start_envoy(
     fleet: Fleet | None = None,
     concurrency: int = 2,
     name: str = "envoy",
+    under: Sequence[str] = (),
 ) -> ManagedProcess:
-    """Render the bootstrap into ``log_dir`` and start Envoy; ready when its admin says LIVE."""
+    """Render the bootstrap into ``log_dir`` and start Envoy, as an argument of ``under``
+    if given (``prefix-router envoy-run --``); ready when its admin says LIVE."""
     command = envoy_command(log_dir, name=name, concurrency=concurrency)
     log_dir.mkdir(parents=True, exist_ok=True)
     command.bootstrap.write_text(render_bootstrap(params, config, fleet))
-    proc = ManagedProcess(name, command.argv(), log_dir / f"{name}.log").start()
+    argv = [*under, *command.argv()]
+    proc = ManagedProcess(name, argv, log_dir / f"{name}.log").start()
     try:
         wait_until_listening(proc, params.admin_port)
         wait_envoy_live(proc, params.admin_port)
