@@ -26,10 +26,18 @@ from __future__ import annotations
 from collections import OrderedDict
 from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import NamedTuple
 
 from vllm_sim.prefix_cache import BlockHash, hash_blocks, hash_seed
 
 BLOCK_SIZE = 16
+
+
+class RequestHits(NamedTuple):
+    """One request's hit tokens in each of the two caches."""
+
+    infinite: int
+    fleet_lru: int
 
 
 @dataclass(frozen=True, slots=True)
@@ -54,8 +62,11 @@ class BoundsTracker:
         self.infinite_hits = 0
         self.lru_hits = 0
 
-    def add(self, hashes: Sequence[BlockHash], *, prompt_tokens: int, total_tokens: int) -> None:
-        """One request: ``hashes`` of the full blocks of prompt + output, in order.
+    def add(
+        self, hashes: Sequence[BlockHash], *, prompt_tokens: int, total_tokens: int
+    ) -> RequestHits:
+        """One request: ``hashes`` of the full blocks of prompt + output, in order; its hit
+        tokens in each cache.
 
         ``total_tokens`` is prompt + output; the blocks left cached are the full blocks
         among its first ``total_tokens - 1`` tokens.
@@ -65,10 +76,10 @@ class BoundsTracker:
         kept = min(len(hashes), max(0, total_tokens - 1) // bs)
         self.queries += prompt_tokens
         seen, lru = self._seen, self._lru
-        hit = 0
-        while hit < limit and hashes[hit] in seen:
-            hit += 1
-        self.infinite_hits += hit * bs
+        infinite = 0
+        while infinite < limit and hashes[infinite] in seen:
+            infinite += 1
+        self.infinite_hits += infinite * bs
         hit = 0
         while hit < limit and hashes[hit] in lru:
             hit += 1
@@ -80,12 +91,15 @@ class BoundsTracker:
             lru.move_to_end(h)
         while len(lru) > self.capacity:
             lru.popitem(last=False)
+        return RequestHits(infinite * bs, hit * bs)
 
-    def add_tokens(self, prompt: Sequence[int], output: Sequence[int], *, model: str) -> None:
+    def add_tokens(
+        self, prompt: Sequence[int], output: Sequence[int], *, model: str
+    ) -> RequestHits:
         """One request given as token ids (hashed as the simulator hashes them)."""
         tokens = [*prompt, *output]
         hashes = hash_blocks(tokens, block_size=self.block_size, seed=hash_seed(model, None))
-        self.add(hashes, prompt_tokens=len(prompt), total_tokens=len(tokens))
+        return self.add(hashes, prompt_tokens=len(prompt), total_tokens=len(tokens))
 
     def result(self) -> CacheBounds:
         q = max(1, self.queries)

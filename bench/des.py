@@ -302,7 +302,12 @@ class Simulation:
         engine = self._route(body, path)
         record.instance = engine.instance.id
         record.prompt_tokens = seq.prompt_len
-        self._bounds.add(seq.hashes, prompt_tokens=seq.prompt_len, total_tokens=len(seq.tokens))
+        hits = self._bounds.add(
+            seq.hashes, prompt_tokens=seq.prompt_len, total_tokens=len(seq.tokens)
+        )
+        record.ttft_floor_s = engine.scheduler.config.cost.step_seconds(
+            prefill_tokens=seq.prompt_len - hits.infinite, decode_seqs=0, context_tokens=0
+        )
         engine.in_flight += 1
         engine.peak = max(engine.peak, engine.in_flight)
         engine.requests += 1

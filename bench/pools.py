@@ -24,7 +24,7 @@ import itertools
 import random
 from collections.abc import Mapping, Sequence
 
-from bench.bounds import BoundsTracker, CacheBounds
+from bench.bounds import BoundsTracker, CacheBounds, RequestHits
 from bench.des import DesSettings, Simulation, _Engine, default_instance_url
 from bench.policies import Policy
 from bench.spec import Arrival, Message, Workload
@@ -42,8 +42,10 @@ class PoolBounds(BoundsTracker):
         self.trackers = {m: BoundsTracker(capacity_blocks=c) for m, c in capacity_blocks.items()}
         self.model = next(iter(self.trackers))
 
-    def add(self, hashes: Sequence[BlockHash], *, prompt_tokens: int, total_tokens: int) -> None:
-        self.trackers[self.model].add(
+    def add(
+        self, hashes: Sequence[BlockHash], *, prompt_tokens: int, total_tokens: int
+    ) -> RequestHits:
+        return self.trackers[self.model].add(
             hashes, prompt_tokens=prompt_tokens, total_tokens=total_tokens
         )
 

@@ -31,6 +31,10 @@ class RequestRecord:
     output_tokens: int = 0
     cached_tokens: int | None = None
     error: str | None = None
+    ttft_floor_s: float | None = None
+    """The least TTFT any router could give it (DES): one engine step prefilling only the
+    tokens no earlier request left behind (:class:`bench.bounds.BoundsTracker`'s infinite
+    cache), with no wait for a step under way and no other work in it."""
 
 
 @dataclass(slots=True)

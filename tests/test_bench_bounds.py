@@ -39,9 +39,10 @@ def test_a_requests_tail_is_evicted_before_its_head() -> None:
     t = BoundsTracker(capacity_blocks=3)
     t.add(blocks("a", 3), prompt_tokens=49, total_tokens=50)  # a0 a1 a2
     t.add(blocks("b", 1), prompt_tokens=17, total_tokens=18)  # one more block: evict one of a
-    t.add(blocks("a", 3), prompt_tokens=49, total_tokens=50)
+    hits = t.add(blocks("a", 3), prompt_tokens=49, total_tokens=50)
     assert t.lru_hits == 32  # a0 and a1 survived: a2 (the tail) went first
     assert t.infinite_hits == 48
+    assert hits == (48, 32)  # the request's own: (infinite, fleet_lru)
 
 
 def test_decoded_blocks_count_for_the_next_turn() -> None:

@@ -85,6 +85,33 @@ async def test_one_instance_agrees_with_the_simulators_engine_exactly() -> None:
     assert hits >= 2 * 16 * (300 // 4 // 16)  # later system-prompt requests hit the first
 
 
+def test_every_requests_ttft_floor_is_under_its_ttft_and_is_its_uncachable_prefill() -> None:
+    """The floor bounds what any router gives a request: the prefill, alone in one step, of
+    the tokens no earlier request left behind; a request nothing before it shares is
+    floored at its whole prompt's prefill."""
+    arrivals = tiny_arrivals()
+    engine = make_config(**SMALL_STEPS)
+    for policy in (Policy.ROUND_ROBIN, Policy.PREFIX_SPILL):
+        result = simulate(
+            workload_of(arrivals),
+            DesSettings(policy=policy, engine=engine, router=RouterConfig(), instances=2),
+        )
+        for r in result.records:
+            assert r.ttft_floor_s is not None and r.ttft_s is not None
+            assert 0 < r.ttft_floor_s <= r.ttft_s
+        first = result.records[0]
+        assert first.ttft_floor_s == pytest.approx(
+            engine.cost.step_seconds(
+                prefill_tokens=first.prompt_tokens, decode_seqs=0, context_tokens=0
+            )
+        )
+        # a later request with the shared system prompt is floored below its whole prefill
+        later = result.records[3]
+        assert later.ttft_floor_s < engine.cost.step_seconds(
+            prefill_tokens=later.prompt_tokens, decode_seqs=0, context_tokens=0
+        )
+
+
 RING_PICK = RouterConfig.model_validate({"placement": {"width": 1}})
 """A prefix nobody holds starts on its key's ring pick: consistent hashing for new prefixes."""
 

@@ -94,3 +94,24 @@ def test_the_p50_goal_is_unreachable_only_under_the_engines_floor(
     }
     ok, _ = found["P50 <= 0.3 x RR"]
     assert _verdict(ok) == verdict
+
+
+@pytest.mark.parametrize(
+    ("own_floor", "spill_p50", "verdict"),
+    [
+        (None, 0.35, "**FAIL**"),  # not recorded (routing_defaults' runs): as before
+        (0.25, 0.35, "**FAIL**"),  # the requests' own prefill allows 0.3 s: missed
+        (0.32, 0.35, "unreachable"),  # their prefill alone of what no cache holds is over it
+        (0.32, 0.29, "PASS"),
+    ],
+)
+def test_the_p50_goal_is_unreachable_under_the_requests_own_floor(
+    own_floor: float | None, spill_p50: float, verdict: str
+) -> None:
+    found = runs(0.2, p50=spill_p50)  # the engine's floor (prefill free) allows it
+    found["prefix-spill"]["ttft_floor_p50_s"] = own_floor
+    ok, figures = {g: (ok, fig) for g, ok, fig in goals("rag", found, "prefix-spill")}[
+        "P50 <= 0.3 x RR"
+    ]
+    assert _verdict(ok) == verdict
+    assert ("requests' own floor" in figures) == (verdict == "unreachable")

@@ -45,6 +45,11 @@ without spill) and the engine's floor on seed 1. A goal passes only when it pass
 seed, but "P50 <= best fixed key", judged on seed 1 where the fixed keys ran; the hot
 prefix is held to the share goal too (its uncached prefill here is ~0.8 of an instance).
 A workload missing any planned run is reported incomplete, not judged.
+
+**Floors.** A P50 goal missed under a floor no router goes under is reported unreachable:
+the engine's floor (a run with prefill free) or the requests' own, the median over the
+window of each request's ``RequestRecord.ttft_floor_s`` (one step prefilling only what no
+earlier request left behind; ``routing_defaults._p50_goal``).
 """
 
 from __future__ import annotations
@@ -237,8 +242,10 @@ def simulate_one(workload: str, rate: float, variant: Variant, seed: int) -> dic
 
 def window_figures(records: Sequence[RequestRecord], window: tuple[float, float]) -> dict[str, Any]:
     """TTFT percentiles, the busiest instance's share of requests and the token hit rate
-    of the requests that arrived in ``window``, and P99 TTFT over each half of it (TTFT of
-    the answered ones: ``figures`` counts the errors, and every goal asks for none)."""
+    of the requests that arrived in ``window``, P99 TTFT over each half of it (TTFT of
+    the answered ones: ``figures`` counts the errors, and every goal asks for none), and
+    the P50 of their TTFT floors (``RequestRecord.ttft_floor_s``: what no router goes
+    under, since each request's TTFT is at least its floor)."""
     start, end = window
     middle = (start + end) / 2
     inside = [r for r in records if start <= r.arrival_s <= end]
@@ -252,6 +259,7 @@ def window_figures(records: Sequence[RequestRecord], window: tuple[float, float]
     ]
     counts = Counter(r.instance for r in inside if r.instance is not None)
     prompt = sum(r.prompt_tokens for r in inside)
+    floors = sorted(r.ttft_floor_s for r in answered if r.ttft_floor_s is not None)
     return {
         "window_s": [start, end],
         "window_requests": len(inside),
@@ -260,6 +268,7 @@ def window_figures(records: Sequence[RequestRecord], window: tuple[float, float]
         "max_share": max(counts.values()) / (len(inside) / INSTANCES) if counts else math.nan,
         "window_hit_rate": sum(r.cached_tokens or 0 for r in inside) / prompt if prompt else 0.0,
         "ttft_p99_halves_s": [percentile(h, 99) for h in halves],
+        "ttft_floor_p50_s": percentile(floors, 50) if floors else None,
     }
 
 
