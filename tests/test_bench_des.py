@@ -244,7 +244,7 @@ def test_a_hot_prefix_waits_for_its_holder_then_spreads_over_the_in_flight_bound
     # the rate assumed before any is learned) rather than compute it again elsewhere (0.25 s,
     # counted miss_weight times: it would delay whatever queues behind it there) ...
     assert spill.records[0].instance == spill.records[1].instance
-    # ... until the holder has more in flight than load_factor x the mean + 4
+    # ... until the holder has more in flight than load_factor x the mean + 2
     assert len({r.instance for r in spill.records}) > 1
 
 

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+from pathlib import Path
 from typing import Any
 
 import pytest
@@ -9,8 +11,10 @@ import pytest
 from bench.results import RequestRecord
 from bench.scripts.routing_at_load import (
     ALL_SEEDS,
+    DEFAULTS_CAPACITY,
     POOL_RATIO,
     SEEDS,
+    _capacity_lines,
     missing,
     overrides,
     plan,
@@ -97,6 +101,7 @@ def test_window_figures_count_only_the_window_and_flag_its_halves() -> None:
             prompt_tokens=100,
             cached_tokens=50 if instance == "a" else 0,
             error=None if ttft else "500",
+            ttft_floor_s=ttft / 4 if ttft else None,
         )
 
     warmup = [rec(t, 9.0, "b") for t in range(10)]  # cold, slow, all on b: not measured
@@ -107,3 +112,12 @@ def test_window_figures_count_only_the_window_and_flag_its_halves() -> None:
     assert fig["ttft_p99_halves_s"] == pytest.approx([0.1, 0.2])
     assert fig["max_share"] == pytest.approx(101 / (101 / 8))  # every request on one of 8
     assert fig["window_hit_rate"] == pytest.approx(0.5)
+    assert fig["ttft_floor_p50_s"] == pytest.approx(0.1 / 4)  # the window's answered only
+    assert window_figures(warmup, (0.0, 10.0))["ttft_floor_p50_s"] == pytest.approx(9.0 / 4)
+
+
+def test_the_report_shows_the_defaults_capacity_against_round_robins(tmp_path: Path) -> None:
+    assert _capacity_lines(tmp_path) == []  # not measured: no section
+    found = {"code": {"capacity": 143.2, "failed_at": 149.4, "round_robin": 51.17}}
+    (tmp_path / DEFAULTS_CAPACITY).write_text(json.dumps(found))
+    assert "| code | 143.2 | 149.4 | 51.17 | 2.80x |" in _capacity_lines(tmp_path)

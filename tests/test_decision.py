@@ -10,6 +10,7 @@ import pytest
 
 from prefix_router.core.config import PrefixMode, RouterConfig, SpillPolicyName
 from prefix_router.core.decision import (
+    IN_FLIGHT_SLACK,
     Candidate,
     Decision,
     DecisionRule,
@@ -142,8 +143,9 @@ def test_concurrency_threshold_is_a_count_or_off(value: object, expected: int | 
 
 
 def test_the_in_flight_bound_follows_the_fleet_mean() -> None:
-    assert in_flight_bound(RULE, 0, 4) == pytest.approx(4)
-    assert in_flight_bound(RULE, 40, 8) == pytest.approx(1.25 * 5 + 4)
+    assert in_flight_bound(RULE, 0, 4) == pytest.approx(2)
+    assert in_flight_bound(RULE, 40, 8) == pytest.approx(1.25 * 5 + 2)
+    assert IN_FLIGHT_SLACK == 2
 
 
 # -- decide() over a fleet ---------------------------------------------------------------------

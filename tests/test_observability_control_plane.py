@@ -27,7 +27,7 @@ from control_plane.metrics import METRIC_NAMES, PREFIX, ControlPlaneCollector, r
 from control_plane.service import AdminService
 from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE
 from prefix_router.core.config import RouterConfig
-from prefix_router.core.decision import Outcome
+from prefix_router.core.decision import IN_FLIGHT_SLACK, Outcome
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.key import extract_key
 from prefix_router.core.table import RoutingTable
@@ -156,7 +156,7 @@ async def test_fleet_view_reads_every_instance_and_the_load_store(fleetside: Fle
         (routed[0].instance_id, spilled.instance_id, f"req-{len(routed) - 1}")
     ]
     routable = sum(1 for r in snap.instances if r.routable)
-    bound = RouterConfig().spill.load_factor * len(routed) / routable + 4  # x the mean + 4
+    bound = RouterConfig().spill.load_factor * len(routed) / routable + IN_FLIGHT_SLACK
     assert snap.concurrency_threshold == 1 and snap.spill_limit == math.ceil(bound)
     assert snap.fleet.hit_rate == pytest.approx(a.hit_rate)  # only A served in the window
     assert snap.loads_error is None and snap.state_error is None

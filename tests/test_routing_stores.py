@@ -583,7 +583,7 @@ async def test_redis_counts_decisions_keeps_recent_spills_and_bounds_the_index(
     try:
         held = [await route(store, doc("hot") + bytes([n]), f"req-{n}") for n in range(9)]
         outcomes = [r.decision.outcome for r in held]
-        # held in flight, they fill the holder up to the in-flight bound (1.4 x mean + 4),
+        # held in flight, they fill the holder up to the in-flight bound (1.4 x mean + 2),
         # then go elsewhere
         assert outcomes[:2] == [Outcome.PLACED, Outcome.HOME] and Outcome.SPILLED in outcomes
         for _ in range(200):

@@ -15,6 +15,7 @@ import httpx
 import pytest
 import redis
 
+from prefix_router.core.decision import IN_FLIGHT_SLACK
 from prefix_router.state.supervision import write_report
 from tests.conftest import REDIS_URL, ProcessReaper
 from tests.support.browser import chromium, wait_for
@@ -99,8 +100,8 @@ def test_status_page_shows_the_fleet_and_follows_changes(
         shown = rows(driver)
         assert sum(percent(shown[i][SHARE]) for i in ids) == pytest.approx(100, abs=0.2)
         assert all(percent(shown[i][SHARE]) > 5 for i in ids)
-        # in flight / the in-flight bound: load_factor x the fleet's mean + 4, 4 when idle
-        assert all(shown[i][LOAD] == "0 / 4" for i in ids)
+        # in flight / the in-flight bound: load_factor x the fleet's mean + the slack when idle
+        assert all(shown[i][LOAD] == f"0 / {IN_FLIGHT_SLACK}" for i in ids)
         # vLLM's own figures arrive with the next scrape rounds (every 2 s)
         wait_for(
             lambda: (
@@ -124,7 +125,7 @@ def test_status_page_shows_the_fleet_and_follows_changes(
                 lambda: (
                     text(driver, "threshold") == "5"
                     and text(driver, "config-version") == "2"
-                    and all(rows(driver)[i][LOAD] == "0 / 4" for i in ids)
+                    and all(rows(driver)[i][LOAD] == f"0 / {IN_FLIGHT_SLACK}" for i in ids)
                 ),
                 30,
                 "the page shows the new threshold",

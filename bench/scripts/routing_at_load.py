@@ -4,7 +4,11 @@ Llama-3.1-70B, at 60% of round robin's own capacity, on three seeds.
 
     flock /tmp/prefix-router-heavy.lock python bench/scripts/routing_at_load.py calibrate
     flock /tmp/prefix-router-heavy.lock python bench/scripts/routing_at_load.py run --jobs 2
+    flock /tmp/prefix-router-heavy.lock python bench/scripts/routing_at_load.py capacity --jobs 2
     python bench/scripts/routing_at_load.py report    # report.md, summary.json
+
+``capacity`` finds the product defaults' own capacity at the same objective (searched from
+twice round robin's), for the report's capacity table.
 
 Why a second benchmark: ``routing_defaults.py`` (the figures issue 23 was resolved on)
 chose each rate where round robin was "55-65% busy with prefill", uncached prompt tokens
@@ -166,14 +170,15 @@ def run_plan(workload: str) -> RunPlan:
 # -- calibrate ----------------------------------------------------------------------------
 
 
-def capacity(workload: str, start: float) -> dict[str, Any]:
-    """Round robin's capacity on ``workload`` (passed on every seed), with every probe."""
+def capacity(workload: str, start: float, policy: Policy = Policy.ROUND_ROBIN) -> dict[str, Any]:
+    """``policy``'s capacity on ``workload`` (passed on every seed), with every probe; round
+    robin's by default, the rates every run is offered."""
     base = overrides(workload, start, 1)
     fixed = {k: v for k, v in base.items() if k not in ("rate", "seed", "requests")}
     setup = ProbeSetup(
         workload=workload,
         overrides=tuple(sorted(fixed.items())),
-        policy=Policy.ROUND_ROBIN,
+        policy=policy,
         engine=ENGINE,
         router=RouterConfig(),
         plan=run_plan(workload),
@@ -183,7 +188,7 @@ def capacity(workload: str, start: float) -> dict[str, Any]:
         setup, INSTANCES, SearchSettings(start=start, seeds=SEEDS, precision=0.05), verbose=True
     )
     if found.search.lo is None:
-        raise SystemExit(f"{workload}: round robin keeps up at no rate tried")
+        raise SystemExit(f"{workload}: {policy} keeps up at no rate tried")
     return {
         "capacity": found.search.lo,
         "failed_at": found.search.hi,
@@ -199,6 +204,43 @@ def capacity(workload: str, start: float) -> dict[str, Any]:
             for p in found.probes
         ],
     }
+
+
+DEFAULTS_CAPACITY = "capacity-defaults.json"
+"""Where ``capacity`` keeps the defaults' capacity at :data:`CAPACITY_OBJECTIVE`."""
+
+
+def defaults_capacity(workload: str, rr_capacity: float) -> dict[str, Any]:
+    """The product's defaults' capacity on ``workload``, searched from twice round robin's."""
+    found = capacity(workload, 2 * rr_capacity, Policy.PREFIX_SPILL)
+    return {
+        "capacity": found["capacity"],
+        "failed_at": found["failed_at"],
+        "round_robin": rr_capacity,
+        "probes": found["probes"],
+    }
+
+
+def _capacity_lines(out: Path) -> list[str]:
+    path = out / DEFAULTS_CAPACITY
+    if not path.exists():
+        return []
+    found = json.loads(path.read_text())
+    return [
+        "",
+        "## Capacity of the defaults",
+        "",
+        "The highest rate the product's defaults serve within the same objective on every "
+        "seed (`routing_at_load.py capacity`), against round robin's.",
+        "",
+        "| workload | defaults (req/s) | lowest failing | round robin | defaults / RR |",
+        "|---|---|---|---|---|",
+        *(
+            f"| {w} | {c['capacity']:g} | {c['failed_at']:g} | {c['round_robin']:g} "
+            f"| {c['capacity'] / c['round_robin']:.2f}x |"
+            for w, c in found.items()
+        ),
+    ]
 
 
 def rates(out: Path) -> dict[str, dict[str, Any]]:
@@ -418,6 +460,7 @@ def report(out: Path) -> Path:
         "| RR P99, window's first / second half |",
         "|---|---|---|---|---|",
         *(_load_row(w, found.get(w, {}), rows[w]) for w in order),
+        *_capacity_lines(out),
     ]
     summary: dict[str, Any] = {
         "settings": {
@@ -481,7 +524,7 @@ def main() -> None:
     parser = argparse.ArgumentParser(
         description=__doc__, formatter_class=argparse.RawDescriptionHelpFormatter
     )
-    parser.add_argument("part", choices=("calibrate", "run", "report"))
+    parser.add_argument("part", choices=("calibrate", "run", "capacity", "report"))
     parser.add_argument("--only", default=",".join(RATES), help="comma-separated workloads")
     parser.add_argument("--variants", default="", help="run: only these labels")
     parser.add_argument("--jobs", type=int, default=1, help="processes")
@@ -498,6 +541,16 @@ def main() -> None:
                 found[w] = result
                 (args.out / "rates.json").write_text(json.dumps(found, indent=1) + "\n")
                 print(f"{w}: RR capacity {result['capacity']:g} -> rate {result['rate']:g}")
+    elif args.part == "capacity":
+        found = rates(args.out)
+        path = args.out / DEFAULTS_CAPACITY
+        done = json.loads(path.read_text()) if path.exists() else {}
+        with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:
+            results = pool.map(defaults_capacity, chosen, [found[w]["capacity"] for w in chosen])
+            for w, result in zip(chosen, results, strict=True):
+                done[w] = result
+                path.write_text(json.dumps(done, indent=1) + "\n")
+                print(f"{w}: defaults {result['capacity']:g} req/s, RR {result['round_robin']:g}")
     elif args.part == "run":
         found = rates(args.out)
         missing = [w for w in chosen if w not in found]

@@ -85,7 +85,7 @@ class SpillConfig(_Frozen):
         gt=1.0,
         le=100.0,
         description="No instance takes new requests above load_factor x the fleet's mean "
-        "in-flight + 4 while another candidate can.",
+        "in-flight + 2 while another candidate can.",
     )
     miss_weight: float = Field(
         100.0,

@@ -216,7 +216,7 @@ class Decision(NamedTuple):
     index_writes: tuple[EntryWrite, ...]
 
 
-IN_FLIGHT_SLACK = 4
+IN_FLIGHT_SLACK = 2
 """Requests an instance may hold over ``load_factor`` times the fleet's mean."""
 
 
@@ -227,7 +227,14 @@ def in_flight_bound(rule: DecisionRule, total_in_flight: int, fleet_size: int) -
     requests for differences of a request or two, which cost nothing to serve where their
     cache is (in the simulation of 6-turn chats at 8 requests/s over 8 instances, a bound
     of 1.25 x (mean + 1) spilled enough turns to raise P99 TTFT from 69 to 161 ms); under
-    load the factor dominates, as in bounded-load consistent hashing."""
+    load the factor dominates, as in bounded-load consistent hashing.
+
+    2, not the 4 of earlier versions (bench/scripts/routing_at_load.py, 70B instances at
+    60% of round robin's capacity, seeds 1-3): at ~5 requests in flight per instance, + 4
+    let a hot prefix's holder carry 1.49-1.58x the mean share of requests; + 2 holds it to
+    1.04-1.06x with P50 and P99 TTFT as low or lower, the mix 1.20-1.26x -> 1.07-1.11x,
+    code 1.20-1.25x -> 1.10-1.26x (seeds 3-6); chat and long-system-chat unchanged at that
+    load and at 8 requests/s (P50 40.6 ms, P99 56 either way)."""
     return rule.load_factor * total_in_flight / max(1, fleet_size) + IN_FLIGHT_SLACK
 
 
