@@ -63,20 +63,28 @@ def drain(
         sleep(min(poll_s, max(0.0, deadline - clock())))
 
 
-def main(argv: Sequence[str] | None = None) -> int:
-    p = argparse.ArgumentParser(prog="prefix-router envoy-drain", description=__doc__)
-    p.add_argument("--admin", default="127.0.0.1:9901", help="Envoy's admin HOST:PORT")
-    p.add_argument(
+def add_drain_options(
+    parser: argparse.ArgumentParser, *, grace: str, settle_s: float, settle_help: str
+) -> None:
+    """A drain's options: Envoy's admin, and the longest and shortest wait (``--timeout``
+    below ``grace``, what kills Envoy if it is still running then)."""
+    parser.add_argument("--admin", default="127.0.0.1:9901", help="Envoy's admin HOST:PORT")
+    parser.add_argument(
         "--timeout",
         type=float,
         default=590.0,
-        help="give up waiting after this many seconds (below the pod's grace period)",
+        help=f"stop waiting for open requests after this many seconds (below {grace})",
     )
-    p.add_argument(
-        "--settle",
-        type=float,
-        default=5.0,
-        help="wait at least this long: the pod leaves the Service's endpoints meanwhile",
+    parser.add_argument("--settle", type=float, default=settle_s, help=settle_help)
+
+
+def main(argv: Sequence[str] | None = None) -> int:
+    p = argparse.ArgumentParser(prog="prefix-router envoy-drain", description=__doc__)
+    add_drain_options(
+        p,
+        grace="the pod's grace period",
+        settle_s=5.0,
+        settle_help="wait at least this long: the pod leaves the Service's endpoints meanwhile",
     )
     args = p.parse_args(argv)
     left = drain(args.admin, timeout_s=args.timeout, settle_s=args.settle)

@@ -21,7 +21,7 @@ import time
 from collections.abc import Sequence
 from types import FrameType
 
-from prefix_router.ops.drain_cli import drain
+from prefix_router.ops.drain_cli import add_drain_options, drain
 
 STOP_WAIT_S = 30.0
 """How long Envoy has to exit after the SIGTERM before it is killed."""
@@ -105,18 +105,11 @@ def main(argv: Sequence[str] | None = None) -> int:
         description=__doc__,
         formatter_class=argparse.RawDescriptionHelpFormatter,
     )
-    p.add_argument("--admin", default="127.0.0.1:9901", help="Envoy's admin HOST:PORT")
-    p.add_argument(
-        "--timeout",
-        type=float,
-        default=590.0,
-        help="stop waiting for open requests after this many seconds (below the stop grace period)",
-    )
-    p.add_argument(
-        "--settle",
-        type=float,
-        default=1.0,
-        help="wait at least this long after draining before stopping Envoy",
+    add_drain_options(
+        p,
+        grace="the stop grace period",
+        settle_s=1.0,
+        settle_help="wait at least this long after draining before stopping Envoy",
     )
     p.add_argument("command", nargs=argparse.REMAINDER, help="-- envoy ARGS...")
     args = p.parse_args(argv)
