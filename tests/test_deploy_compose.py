@@ -30,6 +30,7 @@ from control_plane.server import load_fleet_file
 from prefix_router.core.config import load_config_file
 from prefix_router.ops.bootstrap_cli import build as build_bootstrap
 from prefix_router.ops.bootstrap_cli import parse_host_port
+from prefix_router.ops.envoy_run import STOP_WAIT_S
 from prefix_router.ops.launch import start_ext_proc, start_module
 from prefix_router.ops.procs import free_port
 from tests.conftest import ProcessReaper
@@ -243,11 +244,16 @@ def test_control_plane_and_envoy_agree(compose: dict[str, Any]) -> None:
     assert "/ready" in " ".join(services["envoy"]["healthcheck"]["test"])
     assert boot.one("--listen-address") == boot.one("--probe-address") == "0.0.0.0"
     assert boot.one("--admin-address") == "127.0.0.1"
-    # On `docker compose down` envoy-run drains Envoy through its admin, and docker waits
-    # longer than the drain may take before it kills the container.
+    # On `docker compose down` envoy-run drains Envoy through its admin (Envoy refuses new
+    # connections once its drain time is over), docker's init passes the SIGTERM on, and
+    # docker waits longer than the drain may take before it kills the container: the
+    # timeout, a last admin exchange (7 s at most) and Envoy's own exit.
     admin = f"{boot.one('--admin-address')}:{boot.one('--admin-port')}"
     assert run.one("--admin") == admin
-    assert _seconds(services["envoy"]["stop_grace_period"]) > float(run.one("--timeout")) + 5
+    assert float(envoy.one("--drain-time-s")) <= 5
+    assert services["envoy"]["init"] is True
+    grace = _seconds(services["envoy"]["stop_grace_period"])
+    assert grace >= float(run.one("--timeout")) + 7 + STOP_WAIT_S + 3
     assert "$HOSTNAME" in boot.one("--node-id")  # one node id per Envoy container
     # Both read the same routing config, from a file that exists and validates.
     config = _container_path(services["control-plane"], cp.one("--config"))

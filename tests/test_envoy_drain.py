@@ -5,7 +5,10 @@ generations still streaming."""
 from __future__ import annotations
 
 import asyncio
+import json
+import threading
 import time
+from http.server import BaseHTTPRequestHandler, ThreadingHTTPServer
 from pathlib import Path
 
 import httpx
@@ -14,18 +17,17 @@ import pytest
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.envoy.bootstrap import BootstrapParams
-from prefix_router.ops.drain_cli import drain, open_requests
+from prefix_router.ops.drain_cli import ACTIVE_STAT, drain, open_requests
 from prefix_router.ops.launch import start_envoy
 from prefix_router.ops.procs import free_port
 from tests.conftest import ProcessReaper
 from tests.support.streaming_backend import LAST_CHUNK, streaming_backend
 from tests.support.uvicorn_server import uvicorn_serving
 
-pytestmark = pytest.mark.e2e
-
 STREAM_S = 3.0
 
 
+@pytest.mark.e2e
 async def test_the_drain_waits_for_the_streams_open_and_no_longer(
     procs: ProcessReaper, log_dir: Path
 ) -> None:
@@ -62,3 +64,47 @@ async def test_the_drain_waits_for_the_streams_open_and_no_longer(
     assert time.monotonic() - started < 5
     envoy.stop()
     assert drain(admin, timeout_s=1, settle_s=0) is None  # no Envoy: nothing to wait for
+
+
+class _FlakyAdmin(BaseHTTPRequestHandler):
+    """Envoy's admin as a drain sees it: the drain accepted; the open-request count first
+    not answered (the connection dropped), then 1, then 0."""
+
+    answers: list[int | None] = []
+
+    def do_POST(self) -> None:  # noqa: N802 - http.server's name
+        self.send_response(200)
+        self.send_header("content-length", "0")
+        self.end_headers()
+
+    def do_GET(self) -> None:  # noqa: N802
+        value = self.answers.pop(0) if self.answers else 0
+        if value is None:
+            self.close_connection = True  # no answer at all: the client sees it dropped
+            return
+        body = json.dumps({"stats": [{"name": ACTIVE_STAT, "value": value}]}).encode()
+        self.send_response(200)
+        self.send_header("content-length", str(len(body)))
+        self.end_headers()
+        self.wfile.write(body)
+
+    def log_message(self, *_: object) -> None:
+        pass
+
+
+@pytest.mark.parametrize(("envoy_runs", "expected"), [(True, 0), (False, None)])
+def test_a_missed_answer_ends_the_wait_only_once_envoy_is_gone(
+    envoy_runs: bool, expected: int | None
+) -> None:
+    _FlakyAdmin.answers = [None, 1, 0]
+    server = ThreadingHTTPServer(("127.0.0.1", 0), _FlakyAdmin)
+    thread = threading.Thread(target=server.serve_forever, daemon=True)
+    thread.start()
+    try:
+        admin = f"127.0.0.1:{server.server_address[1]}"
+        left = drain(admin, timeout_s=30, settle_s=0, poll_s=0.01, alive=lambda: envoy_runs)
+        assert left == expected
+        assert _FlakyAdmin.answers == ([] if envoy_runs else [1, 0])
+    finally:
+        server.shutdown()
+        server.server_close()

@@ -11,6 +11,7 @@ streaming when it ended, and made a pod with nothing in flight wait for nothing.
 from __future__ import annotations
 
 import argparse
+import http.client
 import json
 import sys
 import time
@@ -29,7 +30,7 @@ def open_requests(admin: str, timeout: float = 2.0) -> int | None:
     try:
         with urllib.request.urlopen(f"http://{admin}/stats?{query}", timeout=timeout) as r:
             stats = json.load(r)["stats"]
-    except (OSError, ValueError, KeyError):
+    except (OSError, http.client.HTTPException, ValueError, KeyError):
         return None
     return sum(int(s.get("value", 0)) for s in stats if s.get("name") == ACTIVE_STAT)
 
@@ -42,25 +43,38 @@ def drain(
     poll_s: float = 1.0,
     clock: Callable[[], float] = time.monotonic,
     sleep: Callable[[float], None] = time.sleep,
+    alive: Callable[[], bool] | None = None,
 ) -> int | None:
     """Drain Envoy's data plane, then wait until no request is open on it (at least
     ``settle_s``, while the pod leaves the Service's endpoints; at most ``timeout_s``).
     Returns the requests still open when it stopped waiting (None: Envoy's admin did not
-    answer, so there is nothing to wait for)."""
+    answer, so there is nothing to wait for). With ``alive`` (whether Envoy still runs),
+    an admin that misses one answer is asked again while Envoy runs: a slow answer is no
+    reason to cut every stream."""
     deadline = clock() + timeout_s
+    drained = start_draining(admin)
+    if not drained and (alive is None or not alive()):
+        return None
+    sleep(min(settle_s, timeout_s))
+    while True:
+        drained = drained or start_draining(admin)
+        left = open_requests(admin)
+        unanswered = left is None and alive is not None and alive()
+        if (not left and not unanswered) or clock() >= deadline:
+            return left
+        sleep(min(poll_s, max(0.0, deadline - clock())))
+
+
+def start_draining(admin: str) -> bool:
+    """Ask Envoy to drain its data plane; whether it answered."""
     request = urllib.request.Request(
         f"http://{admin}/drain_listeners?graceful&inboundonly", method="POST"
     )
     try:
         urllib.request.urlopen(request, timeout=5).close()
-    except OSError:
-        return None
-    sleep(min(settle_s, timeout_s))
-    while True:
-        left = open_requests(admin)
-        if not left or clock() >= deadline:
-            return left
-        sleep(min(poll_s, max(0.0, deadline - clock())))
+    except (OSError, http.client.HTTPException):
+        return False
+    return True
 
 
 def add_drain_options(

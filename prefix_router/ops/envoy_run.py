@@ -23,7 +23,7 @@ from types import FrameType
 
 from prefix_router.ops.drain_cli import add_drain_options, drain
 
-STOP_WAIT_S = 30.0
+STOP_WAIT_S = 5.0
 """How long Envoy has to exit after the SIGTERM before it is killed."""
 
 
@@ -71,7 +71,7 @@ def run(command: Sequence[str], *, admin: str, timeout_s: float, settle_s: float
             while child.poll() is None and not (signals.drain or signals.now):
                 time.sleep(0.05)
             if child.poll() is None and not signals.now:
-                left = _drain(signals, admin, timeout_s, settle_s)
+                left = _drain(signals, child, admin, timeout_s, settle_s)
                 if left:
                     print(f"envoy-run: {left} requests still open; stopping", file=sys.stderr)
             if child.poll() is None:
@@ -92,9 +92,21 @@ def run(command: Sequence[str], *, admin: str, timeout_s: float, settle_s: float
     return code if code >= 0 else 128 - code
 
 
-def _drain(signals: _Signals, admin: str, timeout_s: float, settle_s: float) -> int | None:
+def _drain(
+    signals: _Signals,
+    envoy: subprocess.Popen[bytes],
+    admin: str,
+    timeout_s: float,
+    settle_s: float,
+) -> int | None:
     try:
-        return drain(admin, timeout_s=timeout_s, settle_s=settle_s, sleep=signals.sleep)
+        return drain(
+            admin,
+            timeout_s=timeout_s,
+            settle_s=settle_s,
+            sleep=signals.sleep,
+            alive=lambda: envoy.poll() is None,
+        )
     except _StopNow:
         return None
 
