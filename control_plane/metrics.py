@@ -193,7 +193,7 @@ class ControlPlaneCollector:
             limit = _family(
                 "spill_limit",
                 "In-flight count at which an instance takes no more requests now "
-                "(load_factor x the fleet's mean in flight + 4).",
+                "(load_factor x the fleet's mean in flight + 2).",
             )
             limit.add_metric([], snap.spill_limit)
             yield limit

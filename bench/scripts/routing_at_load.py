@@ -188,7 +188,7 @@ def capacity(workload: str, start: float, policy: Policy = Policy.ROUND_ROBIN) -
         setup, INSTANCES, SearchSettings(start=start, seeds=SEEDS, precision=0.05), verbose=True
     )
     if found.search.lo is None:
-        raise SystemExit(f"{workload}: {policy} keeps up at no rate tried")
+        raise SystemExit(f"{workload}: {policy.value} keeps up at no rate tried")
     return {
         "capacity": found.search.lo,
         "failed_at": found.search.hi,
@@ -543,6 +543,9 @@ def main() -> None:
                 print(f"{w}: RR capacity {result['capacity']:g} -> rate {result['rate']:g}")
     elif args.part == "capacity":
         found = rates(args.out)
+        lacking = [w for w in chosen if w not in found]
+        if lacking:
+            parser.error(f"no calibrated rate for {', '.join(lacking)}: run calibrate first")
         path = args.out / DEFAULTS_CAPACITY
         done = json.loads(path.read_text()) if path.exists() else {}
         with ProcessPoolExecutor(max_workers=max(1, args.jobs)) as pool:

@@ -9,7 +9,7 @@ off costs the workloads that need spill (a hot prefix, the trace-like workload):
   saves, the miss counted that many times; 3 then, 100 now);
 * ``concurrency_threshold`` (an instance with that many requests waiting for their first
   token takes none while another can; 256 then, off now);
-* ``spill.load_factor`` (the in-flight bound: load_factor x the fleet's mean + 4).
+* ``spill.load_factor`` (the in-flight bound: load_factor x the fleet's mean + the slack, 2).
 
     python bench/scripts/spill_variants.py [--only rag,code] [--variants default,old]
 
