@@ -89,11 +89,15 @@ def _family(
     return GaugeMetricFamily(PREFIX + name, doc, labels=list(labels))
 
 
-def _split_version(version: str | None) -> tuple[float, float] | None:
-    """``"<fleet>.<config>"`` -> the two numbers."""
+def split_version(version: str | None) -> tuple[float, float] | None:
+    """A snapshot's ``version_info`` -> its fleet and config versions: ``"<fleet>.<config>"``,
+    or ``"<fleet>.<config>.<digest>"`` when instances are named by DNS (``snapshot_version``).
+    None for anything else."""
+    fields = (version or "").split(".")
+    if len(fields) not in (2, 3):
+        return None
     try:
-        fleet, config = (version or "").split(".")
-        return float(fleet), float(config)
+        return float(int(fields[0])), float(int(fields[1]))
     except ValueError:
         return None
 
@@ -157,7 +161,7 @@ class ControlPlaneCollector:
             config = _family("config_version", "Routing config version in the shared state.")
             config.add_metric([], snap.config_version)
             yield config
-        published = _split_version(self.published_version())
+        published = split_version(self.published_version())
         if published is not None:
             for name, value in zip(
                 ("published_fleet_version", "published_config_version"), published, strict=True

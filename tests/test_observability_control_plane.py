@@ -23,7 +23,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from control_plane.admin import create_app
 from control_plane.callbacks import ClientRegistry
 from control_plane.fleet_view import FleetView
-from control_plane.metrics import METRIC_NAMES, PREFIX, ControlPlaneCollector, render
+from control_plane.metrics import METRIC_NAMES, PREFIX, ControlPlaneCollector, render, split_version
 from control_plane.service import AdminService
 from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE
 from prefix_router.core.config import RouterConfig
@@ -368,3 +368,23 @@ async def test_instances_serving_one_model_share_a_rate_and_another_models_get_t
     per_second_of_window = math.sqrt(1 + 2.0 / 10.0)  # core.work.learned_prefill_rate
     assert rate[big[0].id] == rate[big[1].id] == pytest.approx(12_000 * per_second_of_window, abs=1)
     assert rate[small.id] == pytest.approx(30_000 * per_second_of_window, abs=1)
+
+
+@pytest.mark.parametrize(
+    ("version", "expected"),
+    [
+        ("3.7", (3.0, 7.0)),
+        ("3.7.e786f7ff", (3.0, 7.0)),  # instances named by DNS: a digest of their addresses
+        ("", None),
+        (None, None),
+        ("3", None),
+        ("3.x", None),
+        ("3.7.ab.cd", None),
+    ],
+)
+def test_the_published_versions_are_read_from_every_form_of_version_info(
+    version: str | None, expected: tuple[float, float] | None
+) -> None:
+    """The alert on a config not yet published compares against these gauges: a fleet
+    named by DNS must export them too."""
+    assert split_version(version) == expected
