@@ -24,7 +24,7 @@ from fastapi.openapi.docs import get_swagger_ui_html
 from fastapi.responses import HTMLResponse, JSONResponse, Response
 from fastapi.security import HTTPAuthorizationCredentials, HTTPBearer
 from prometheus_client.exposition import CONTENT_TYPE_LATEST
-from pydantic import BaseModel, ConfigDict, Field, field_validator
+from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator
 
 from control_plane.body_limit import BodyLimit
 from control_plane.service import AdminService, InstanceExists, InstanceNotFound
@@ -42,6 +42,27 @@ class InstanceIn(BaseModel):
     weight: int = Field(1, ge=1, le=128)
     models: list[str] = Field(default_factory=list, examples=[["llama-3-8b"]])
     hash_key: str | None = Field(None, description="Ring identity that survives address changes.")
+
+    def to_instance(self) -> Instance:
+        return Instance(
+            address=self.address,
+            port=self.port,
+            weight=self.weight,
+            models=tuple(self.models),
+            hash_key=self.hash_key,
+        )
+
+
+def validation_text(exc: Exception) -> str:
+    """Each invalid field and why, in one line (``models: Input should be a valid list``);
+    any other error's own text."""
+    if not isinstance(exc, ValidationError | RequestValidationError):
+        return str(exc)
+    reasons = []
+    for err in exc.errors():
+        where = ".".join(str(p) for p in err["loc"] if p != "body") or "body"
+        reasons.append(f"{where}: {err['msg']}")
+    return "; ".join(reasons)
 
 
 class InstancePatch(BaseModel):
@@ -118,11 +139,7 @@ def create_app(service: AdminService, *, token: str | None) -> FastAPI:
 
     @app.exception_handler(RequestValidationError)
     async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
-        reasons = []
-        for err in exc.errors():
-            where = ".".join(str(p) for p in err["loc"] if p != "body") or "body"
-            reasons.append(f"{where}: {err['msg']}")
-        return JSONResponse({"detail": "; ".join(reasons)}, status_code=422)
+        return JSONResponse({"detail": validation_text(exc)}, status_code=422)
 
     @app.exception_handler(InstanceNotFound)
     async def _not_found(request: Request, exc: InstanceNotFound) -> JSONResponse:
@@ -182,14 +199,7 @@ def create_app(service: AdminService, *, token: str | None) -> FastAPI:
 
     @app.post("/instances", tags=["instances"], status_code=201)
     async def add_instance(actor: Actor, body: InstanceIn) -> dict[str, Any]:
-        instance = Instance(
-            address=body.address,
-            port=body.port,
-            weight=body.weight,
-            models=tuple(body.models),
-            hash_key=body.hash_key,
-        )
-        return _instance_json(*await service.add_instance(instance, actor=actor))
+        return _instance_json(*await service.add_instance(body.to_instance(), actor=actor))
 
     @app.get("/instances/{instance_id}", tags=["instances"])
     async def get_instance(actor: Actor, instance_id: str) -> dict[str, Any]:

@@ -52,7 +52,7 @@ from control_plane.service import AdminService
 from control_plane.xds_limits import XdsLimits, xds_grpc_server
 from prefix_router.core.config import RouterConfig, load_config_file, parse_config
 from prefix_router.core.errors import ConfigError, FleetError, StartupError
-from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.core.fleet import Fleet, fleet_from_file
 from prefix_router.logs import setup_logging
 from prefix_router.state.clock import CLOCK_SCALE_HELP, parse_clock_scale, scaled_clock
 from prefix_router.state.redis_url import resolve_redis_url
@@ -114,19 +114,9 @@ def load_fleet_file(path: str) -> tuple[Fleet, RouterConfig | None]:
     if not isinstance(data, dict) or not isinstance(data.get("instances", []), list):
         raise ConfigError(f"fleet file {path}: expected a mapping with an 'instances' list")
     try:
-        instances = [
-            Instance(
-                address=str(d["address"]),
-                port=int(d["port"]),
-                weight=int(d.get("weight", 1)),
-                models=tuple(d.get("models") or ()),
-                hash_key=d.get("hash_key"),
-            )
-            for d in data.get("instances") or []
-        ]
-        fleet = Fleet.of(instances)
-    except (KeyError, TypeError, ValueError, FleetError) as exc:
-        raise ConfigError(f"fleet file {path}: bad instance: {exc}") from None
+        fleet = fleet_from_file(data.get("instances") or [])
+    except FleetError as exc:
+        raise ConfigError(f"fleet file {path}: {exc}") from None
     routing = data.get("routing")
     return fleet, (parse_config(routing) if routing is not None else None)
 

@@ -28,7 +28,7 @@ from control_plane.metrics import ControlPlaneCollector, render
 from control_plane.models import pools_doc
 from prefix_router.core.config import RouterConfig, parse_config
 from prefix_router.core.errors import FleetError
-from prefix_router.core.fleet import Fleet, Instance, InstanceState
+from prefix_router.core.fleet import Fleet, Instance, InstanceState, check_ring_keys
 from prefix_router.state.store import ConfigRecord, FleetRecord, StateError, StateStore
 
 audit_log = logging.getLogger("prefix_router.audit")
@@ -42,6 +42,18 @@ class InstanceNotFound(FleetError):
 
 class InstanceExists(FleetError):
     """An instance with this id is already in the fleet."""
+
+
+class RingKeyTaken(InstanceExists):
+    """Another instance already has this ring key (its ``hash_key``, or its id)."""
+
+
+def _ring_key_free(record: FleetRecord, instance: Instance) -> None:
+    others = [i for i in record.fleet.instances if i.id != instance.id]
+    try:
+        check_ring_keys([*others, instance])
+    except FleetError as exc:
+        raise RingKeyTaken(str(exc)) from None
 
 
 def _fleet_audit(
@@ -148,6 +160,7 @@ class AdminService:
         def change(record: FleetRecord) -> FleetRecord:
             if record.fleet.get(instance.id) is not None:
                 raise InstanceExists(f"instance {instance.id!r} already exists")
+            _ring_key_free(record, instance)
             return _replace(record, instance, record.removing)
 
         _, after = await self.store.update_fleet(
@@ -176,7 +189,10 @@ class AdminService:
                     removing = removing - {instance_id}
                 elif current.state is not InstanceState.DRAINING:
                     fields["draining_since"] = self.clock()
-            return _replace(record, current.with_changes(**fields), removing)
+            changed = current.with_changes(**fields)
+            if changed.ring_key != current.ring_key:
+                _ring_key_free(record, changed)
+            return _replace(record, changed, removing)
 
         _, after = await self.store.update_fleet(
             change, audit=_fleet_audit(actor, "update-instance", instance_id)

@@ -247,3 +247,26 @@ def test_a_token_is_required_off_loopback(monkeypatch: pytest.MonkeyPatch, tmp_p
     token_file = tmp_path / "token"
     token_file.write_text("from-file\n")
     assert resolve_token(str(token_file), "0.0.0.0") == "from-file"
+
+
+async def test_an_instance_cannot_take_a_ring_key_another_one_has(admin: Admin) -> None:
+    """Equal ring keys put equal hashes on Envoy's ring, and which instance owns them is
+    then up to Envoy's sort: ext_proc could not mirror it, so the API refuses them."""
+    c = admin.client
+    r = await c.post("/instances", json={"address": "10.0.0.1", "port": 80, "hash_key": "gpu-a"})
+    assert r.status_code == 201
+    taken = [
+        {"address": "10.0.0.2", "port": 80, "hash_key": "gpu-a"},  # the same hash_key
+        {"address": "10.0.0.2", "port": 80, "hash_key": B.id},  # another instance's id
+    ]
+    for body in taken:
+        r = await c.post("/instances", json=body)
+        assert r.status_code == 409, body
+        assert "same ring key" in r.json()["detail"]
+    r = await c.patch(f"/instances/{B.id}", json={"hash_key": "gpu-a"})
+    assert r.status_code == 409 and "same ring key" in r.json()["detail"]
+    fleet = (await admin.store.read()).fleet.fleet
+    assert sorted(i.ring_key for i in fleet.instances) == sorted([A.id, B.id, "gpu-a"])
+    # a key of its own, and the instance's own key given again, are both fine
+    assert (await c.patch(f"/instances/{B.id}", json={"hash_key": "gpu-b"})).status_code == 200
+    assert (await c.patch(f"/instances/{B.id}", json={"hash_key": "gpu-b"})).status_code == 200

@@ -100,7 +100,11 @@ class Instance:
         if not 1 <= self.weight <= 128:
             raise FleetError(f"instance weight {self.weight} out of range 1..128")
         for name in self.models:
+            if not isinstance(name, str):
+                raise FleetError(f"model name {name!r} must be a string")
             check_model_name(name)
+        if self.hash_key is not None and not isinstance(self.hash_key, str):
+            raise FleetError(f"hash_key {self.hash_key!r} must be a string")
 
     @property
     def id(self) -> str:
@@ -156,11 +160,14 @@ class Instance:
 
     @classmethod
     def from_json_dict(cls, data: dict[str, Any]) -> Instance:
+        models = data.get("models") or ()
+        if isinstance(models, str):
+            raise FleetError(f"models must be a list of names, not the string {models!r}")
         return cls(
             address=str(data["address"]),
             port=int(data["port"]),
             weight=int(data.get("weight", 1)),
-            models=tuple(data.get("models") or ()),
+            models=tuple(models),
             state=InstanceState(data.get("state", "active")),
             hash_key=data.get("hash_key"),
             healthy=bool(data.get("healthy", True)),
@@ -199,6 +206,74 @@ class Instance:
         host = f"[{self.address}]" if ":" in self.address else self.address
         url = f"{host}:{self.port}:{self.weight}:{self.hash_key or ''}"
         return url + ("#" + ",".join(self.models) if self.models else "")
+
+
+def check_ring_keys(instances: list[Instance] | tuple[Instance, ...]) -> None:
+    """Two instances with the same ring key (``hash_key``, else ``address:port``) would put
+    the same hashes on Envoy's ring; which one owns them is then up to the order Envoy's
+    sort leaves equal entries in, so ext_proc's mirror could not follow. Refused where a
+    fleet is written (the admin API, a fleet file, ``--backend``)."""
+    owners: dict[str, str] = {}
+    for instance in instances:
+        other = owners.setdefault(instance.ring_key, instance.id)
+        if other != instance.id:
+            raise FleetError(
+                f"instances {other!r} and {instance.id!r} have the same ring key "
+                f"{instance.ring_key!r}: give each its own hash_key"
+            )
+
+
+FLEET_FILE_FIELDS = ("address", "port", "weight", "models", "hash_key")
+
+
+def _whole_number(value: Any, name: str) -> int:
+    if isinstance(value, bool) or not isinstance(value, int | str):
+        raise FleetError(f"{name} must be a whole number, not {value!r}")
+    try:
+        return int(value)
+    except ValueError:
+        raise FleetError(f"{name} must be a whole number, not {value!r}") from None
+
+
+def instance_from_file(entry: Any) -> Instance:
+    """One entry of a fleet file's ``instances`` list, typed strictly: a YAML scalar where a
+    list belongs (``models: llama``) or a number where a name belongs (``hash_key: 7``) is
+    an error naming the field, not a fleet that routes oddly."""
+    if not isinstance(entry, dict):
+        raise FleetError(f"expected a mapping of {', '.join(FLEET_FILE_FIELDS)}, not {entry!r}")
+    unknown = sorted(set(entry) - set(FLEET_FILE_FIELDS))
+    if unknown:
+        raise FleetError(f"unknown fields {unknown}; known: {', '.join(FLEET_FILE_FIELDS)}")
+    if "address" not in entry or "port" not in entry:
+        raise FleetError("address and port are required")
+    models = entry.get("models") or []
+    if not isinstance(models, list):
+        raise FleetError(f"models must be a list of names, not {models!r}")
+    address = entry["address"]
+    if not isinstance(address, str):
+        raise FleetError(f"address must be a string, not {address!r}")
+    return Instance(
+        address=address,
+        port=_whole_number(entry["port"], "port"),
+        weight=_whole_number(entry.get("weight", 1), "weight"),
+        models=tuple(models),
+        hash_key=entry.get("hash_key"),
+    )
+
+
+def fleet_from_file(data: Any) -> Fleet:
+    """A fleet file's ``instances`` (the parsed YAML's list) -> a fleet whose ring keys are
+    distinct. Raises :class:`FleetError` naming the entry at fault."""
+    if not isinstance(data, list):
+        raise FleetError(f"'instances' must be a list, not {data!r}")
+    instances = []
+    for n, entry in enumerate(data):
+        try:
+            instances.append(instance_from_file(entry))
+        except FleetError as exc:
+            raise FleetError(f"instance {n}: {exc}") from None
+    check_ring_keys(instances)
+    return Fleet.of(instances)
 
 
 @dataclass(frozen=True, slots=True)

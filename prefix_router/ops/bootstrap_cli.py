@@ -28,7 +28,7 @@ import yaml
 
 from prefix_router.core.config import RouterConfig, load_config_file
 from prefix_router.core.errors import ConfigError, FleetError
-from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.core.fleet import Fleet, fleet_from_file
 from prefix_router.envoy.bootstrap import (
     BODY_BUFFER_SLACK,
     DEFAULT_EXT_PROC_TIMEOUT_MS,
@@ -147,9 +147,9 @@ def _fleet_from_file(path: str) -> Fleet:
     if not isinstance(instances, list) or not instances:
         raise ConfigError(f"fleet file {path}: expected a non-empty 'instances' list")
     try:
-        return Fleet.of([Instance.from_json_dict(d) for d in instances])
-    except (KeyError, TypeError, ValueError, FleetError) as exc:
-        raise ConfigError(f"fleet file {path}: bad instance: {exc}") from None
+        return fleet_from_file(instances)
+    except FleetError as exc:
+        raise ConfigError(f"fleet file {path}: {exc}") from None
 
 
 def build(

@@ -45,8 +45,14 @@ import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
 
 from prefix_router.core.config import RouterConfig, describe_validation_error, parse_config
-from prefix_router.core.errors import ConfigError, StartupError
-from prefix_router.core.fleet import Fleet, Instance
+from prefix_router.core.errors import ConfigError, FleetError, StartupError
+from prefix_router.core.fleet import (
+    FLEET_FILE_FIELDS,
+    Fleet,
+    Instance,
+    check_ring_keys,
+    fleet_from_file,
+)
 from prefix_router.envoy.bootstrap import BootstrapParams
 from prefix_router.ops.launch import (
     delete_namespace,
@@ -369,10 +375,14 @@ class Stack:
     def _start_backends(self) -> Fleet:
         s = self.settings
         if s.backend:
-            return Fleet.of([Instance.from_url(url) for url in s.backend])
+            backends = [Instance.from_url(url) for url in s.backend]
+            check_ring_keys(backends)
+            return Fleet.of(backends)
         if s.fleet:
-            instances = _read_yaml(s.fleet).get("instances") or []
-            return Fleet.of([Instance.from_json_dict(i) for i in instances])
+            try:
+                return fleet_from_file(_read_yaml(s.fleet).get("instances") or [])
+            except FleetError as exc:
+                raise ConfigError(f"fleet file {s.fleet}: {exc}") from None
         ports = [free_port(s.host) for _ in range(s.instances)]
         args = [
             "--ports",
@@ -398,7 +408,7 @@ class Stack:
             yaml.safe_dump(
                 {
                     "instances": [
-                        {k: v for k, v in i.to_json_dict().items() if k in _FLEET_FILE_KEYS}
+                        {k: v for k, v in i.to_json_dict().items() if k in FLEET_FILE_FIELDS}
                         for i in self.fleet.instances
                     ],
                     "routing": self.config.to_json_dict(),
@@ -568,9 +578,6 @@ class Stack:
             "Ctrl-C stops everything.",
         ]
         return "\n".join(lines)
-
-
-_FLEET_FILE_KEYS = ("address", "port", "weight", "models", "hash_key")
 
 
 def supervise(
