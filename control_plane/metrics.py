@@ -91,10 +91,10 @@ def _family(
 
 def split_version(version: str | None) -> tuple[float, float] | None:
     """A snapshot's ``version_info`` -> its fleet and config versions: ``"<fleet>.<config>"``,
-    or ``"<fleet>.<config>.<digest>"`` when instances are named by DNS (``snapshot_version``).
-    None for anything else."""
+    then digests when instances are named by DNS (``snapshot_version``) or the versions came
+    back to one published with other content (``Publisher``). None for anything else."""
     fields = (version or "").split(".")
-    if len(fields) not in (2, 3):
+    if len(fields) < 2:
         return None
     try:
         return float(int(fields[0])), float(int(fields[1]))

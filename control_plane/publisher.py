@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from dataclasses import replace
 
 from control_plane.cache import ALL_NODES, SnapshotCache
 from control_plane.snapshot import Snapshot, build_snapshot
@@ -90,6 +91,19 @@ class Publisher:
         except (PrefixRouterError, ValueError) as exc:
             log.error("not publishing fleet %d / config %d: %s", fleet.version, config_version, exc)
             return
+        published = self.published
+        if published is not None and snapshot.version == published.version:
+            if snapshot.resources != published.resources:
+                # The versions came back to one already published with other content
+                # (Redis went back, then forward). Envoy skips a version it has, so this
+                # one is told apart by its content.
+                snapshot = replace(snapshot, version=f"{snapshot.version}.{snapshot.digest()}")
+        elif (
+            published is not None
+            and published.version.startswith(snapshot.version + ".")
+            and snapshot.resources == published.resources
+        ):
+            return  # published already, under the version its content told apart
         self.fleet, self.config, self.config_version = fleet, config, config_version
         self.cache.set_snapshot(self.key, snapshot)
         self.published = snapshot

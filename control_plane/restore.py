@@ -4,7 +4,8 @@ Redis is the source of truth for the fleet and the config, but ``prefix-router
 up`` runs it without persistence, and any Redis may restart empty or be flushed.
 Left alone, every reader would then see no documents: the admin API an empty
 fleet, a restarted ext_proc no instance to route to. The control plane holds
-the last state it read, so it writes it back, versions kept, within
+the last state it read or wrote (the admin API's, the health prober's and model
+discovery's writes share its store), so it writes it back, versions kept, within
 ``interval_s`` (:meth:`~prefix_router.state.store.StateStore.restore`; only
 where a document is absent, so several replicas restoring at once, or an admin
 change made meanwhile, are safe: such a change starts from the store's last read of
@@ -24,36 +25,36 @@ import asyncio
 import contextlib
 import logging
 
-from prefix_router.state.store import ConfigRecord, FleetRecord, StateError, StateStore
+from prefix_router.state.store import StateError, StateStore
 
 log = logging.getLogger("prefix_router.control_plane")
 
 
 class StateKeeper:
-    """Remembers the newest fleet and config documents read; restores them when absent."""
+    """Restores the fleet and config documents its store last read or wrote when Redis
+    no longer has them.
+
+    Not a copy of its own, refreshed once per ``interval_s``: a write made by the same
+    process in the moment before the loss would then be restored away, the fleet's
+    version going back under snapshots Envoy already has."""
 
     def __init__(self, store: StateStore, *, interval_s: float = 1.0) -> None:
         self.store = store
         self.interval_s = interval_s
-        self.fleet: FleetRecord | None = None
-        self.config: ConfigRecord | None = None
         self.restored = 0
         """Times this replica wrote lost documents back."""
 
     async def check(self) -> bool:
-        """Read once; remember what is there, restore what went missing. Returns whether
-        this call restored anything. Raises :class:`StateError` if Redis fails."""
+        """Read once; restore what went missing. Returns whether this call restored
+        anything. Raises :class:`StateError` if Redis fails."""
         state = await self.store.read()
-        lost_fleet = state.fleet.fleet.version == 0 and self.fleet is not None
-        lost_config = state.config.version == 0 and self.config is not None
-        if state.fleet.fleet.version > 0:
-            self.fleet = state.fleet
-        if state.config.version > 0:
-            self.config = state.config
+        fleet, config = self.store.newest()
+        lost_fleet = state.fleet.fleet.version == 0 and fleet is not None
+        lost_config = state.config.version == 0 and config is not None
         if not (lost_fleet or lost_config):
             return False
         restored = await self.store.restore(
-            self.fleet if lost_fleet else None, self.config if lost_config else None
+            fleet if lost_fleet else None, config if lost_config else None
         )
         if restored:
             self.restored += 1
@@ -62,8 +63,8 @@ class StateKeeper:
                 ", ".join(
                     f"{name} v{version}"
                     for name, version, lost in (
-                        ("fleet", self.fleet.fleet.version if self.fleet else 0, lost_fleet),
-                        ("config", self.config.version if self.config else 0, lost_config),
+                        ("fleet", fleet.fleet.version if fleet else 0, lost_fleet),
+                        ("config", config.version if config else 0, lost_config),
                     )
                     if lost
                 ),

@@ -83,6 +83,15 @@ class Snapshot:
             packed[type_url] = MappingProxyType(by_name)
         return cls(version=version, resources=MappingProxyType(packed))
 
+    def digest(self) -> str:
+        """Eight hex digits of the resources' content, the same in every replica."""
+        h = hashlib.sha256()
+        for type_url in sorted(self.resources):
+            for name, resource in sorted(self.resources[type_url].items()):
+                h.update(f"{type_url}\0{name}\0".encode())
+                h.update(resource.SerializeToString(deterministic=True))
+        return h.hexdigest()[:8]
+
     def names(self, type_url: str) -> frozenset[str]:
         return frozenset(self.resources.get(type_url, {}))
 

@@ -116,6 +116,31 @@ def test_the_publisher_never_goes_back_to_an_older_state() -> None:
     assert published is not None and published.version == "6.2"
 
 
+def test_a_version_published_again_with_other_content_is_told_apart() -> None:
+    """Redis went back (another replica restored an older fleet), and the next change
+    brought the fleet's version back to the one published: Envoy skips a version it has,
+    so the new content gets a version of its own, the same in every replica."""
+    cache = SnapshotCache()
+    publisher = Publisher(cache)
+    publisher.on_state(Fleet.of([A, B], version=2), RouterConfig(), 1)
+    first = cache.get_snapshot(ALL_NODES)
+    publisher.on_state(Fleet.of([A], version=1), RouterConfig(), 1)  # refused: older
+    publisher.on_state(Fleet.of([A.with_changes(weight=5)], version=2), RouterConfig(), 1)
+    second = cache.get_snapshot(ALL_NODES)
+    assert first is not None and second is not None
+    assert first.version == "2.1" and second.version == f"2.1.{second.digest()}"
+    assert second.resources != first.resources
+    again = Publisher(SnapshotCache())  # another replica, the same states
+    again.on_state(Fleet.of([A, B], version=2), RouterConfig(), 1)
+    again.on_state(Fleet.of([A.with_changes(weight=5)], version=2), RouterConfig(), 1)
+    assert again.published is not None and again.published.version == second.version
+    # the same state read again: the same snapshot, nothing new to send
+    publisher.on_state(Fleet.of([A.with_changes(weight=5)], version=2), RouterConfig(), 1)
+    assert cache.get_snapshot(ALL_NODES) is second
+    publisher.on_state(Fleet.of([A], version=3), RouterConfig(), 1)  # and on, as before
+    assert publisher.published is not None and publisher.published.version == "3.1"
+
+
 # -- ADS over gRPC -------------------------------------------------------------
 
 

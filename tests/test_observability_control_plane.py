@@ -379,7 +379,7 @@ async def test_instances_serving_one_model_share_a_rate_and_another_models_get_t
         (None, None),
         ("3", None),
         ("3.x", None),
-        ("3.7.ab.cd", None),
+        ("3.7.e786f7ff.0c1d2e3f", (3.0, 7.0)),  # and told apart by content (Publisher)
     ],
 )
 def test_the_published_versions_are_read_from_every_form_of_version_info(

@@ -88,6 +88,21 @@ async def test_the_keeper_restores_what_redis_lost(store: StateStore) -> None:
     assert not await keeper.check()
 
 
+async def test_the_keeper_restores_a_write_made_since_its_last_read(store: StateStore) -> None:
+    """The admin API changes the fleet through the keeper's store in the second before
+    Redis restarts empty: that change is what comes back, not the keeper's last read,
+    which would take the fleet's version back under what Envoy was sent."""
+    keeper = StateKeeper(store)
+    await store.seed(Fleet.of([A]), RouterConfig())
+    assert not await keeper.check()
+    await store.update_fleet(add(B))
+    known = await store.read()
+    assert known.versions == (2, 1)
+    await lose_state(store)
+    assert await keeper.check()
+    assert await store.read() == known
+
+
 async def test_watchers_keep_the_last_state_while_redis_has_lost_it(
     store: StateStore, caplog: pytest.LogCaptureFixture
 ) -> None:

@@ -180,6 +180,12 @@ class StateStore:
         :class:`~control_plane.restore.StateKeeper` writes the document back would wipe
         the fleet, and the keeper, finding a document, would restore nothing."""
 
+    def newest(self) -> tuple[FleetRecord | None, ConfigRecord | None]:
+        """The fleet and config this store last read or wrote (None: neither yet): what a
+        document Redis lost is restored from, since it includes this process's own writes
+        made since the last read."""
+        return self._newest.get(self.keys.fleet), self._newest.get(self.keys.config)
+
     @classmethod
     def from_url(cls, url: str, namespace: str = DEFAULT_NAMESPACE) -> StateStore:
         return cls(connect(url), namespace)
