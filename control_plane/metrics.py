@@ -360,6 +360,7 @@ class ControlPlaneCollector:
             "http_limit_breaches_total",
             "Connections of this process's HTTP ports closed for a limit, by port (admin, "
             "metrics) and limit (head_timeout: a request head not complete in time; "
+            "body_timeout: a request body not complete in time; "
             "max_connections: evicted or refused at the connection cap).",
             ["port", "limit"],
         )

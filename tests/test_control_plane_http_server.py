@@ -18,6 +18,7 @@ from prefix_router.ops.procs import free_port
 from tests.support.uvicorn_server import uvicorn_serving
 
 HEAD_TIMEOUT_S = 0.5
+BODY_TIMEOUT_S = 0.5
 
 
 async def hello(scope: Scope, receive: Receive, send: Send) -> None:
@@ -35,11 +36,16 @@ async def serving(
     name: str = "test",
     max_connections: int = 64,
     head_timeout_s: float = HEAD_TIMEOUT_S,
+    body_timeout_s: float = BODY_TIMEOUT_S,
 ) -> AsyncIterator[int]:
     port = free_port()
     config = server_config(app, "127.0.0.1", port, name=name, max_connections=max_connections)
     assert isinstance(config.http, type)
-    config.http = type("ShortDeadline", (config.http,), {"head_timeout_s": head_timeout_s})
+    config.http = type(
+        "ShortDeadline",
+        (config.http,),
+        {"head_timeout_s": head_timeout_s, "body_timeout_s": body_timeout_s},
+    )
     config.timeout_keep_alive = keep_alive_s
     async with uvicorn_serving(config):
         yield port
@@ -200,3 +206,97 @@ def test_the_command_line_sets_the_cap_and_refuses_a_cap_of_nothing(
     with pytest.raises(SystemExit):
         _parser().parse_args(["--http-max-connections=0"])
     assert "--http-max-connections: must be at least 1, got 0" in capsys.readouterr().err
+
+
+async def reads_the_body(scope: Scope, receive: Receive, send: Send) -> None:
+    """Reads the whole body, as the admin API's routes do, then answers."""
+    while (await receive()).get("more_body"):
+        pass
+    await hello(scope, receive, send)
+
+
+async def trickle(writer: asyncio.StreamWriter, until: asyncio.Event) -> None:
+    """A byte of the body every 0.1 s, each read well inside any per-read bound."""
+    with contextlib.suppress(ConnectionError):
+        while not until.is_set():
+            writer.write(b"x")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+
+
+@pytest.mark.parametrize(
+    ("app", "name"), [(reads_the_body, "reads-body"), (hello, "answers-at-once")]
+)
+async def test_a_body_trickled_a_byte_at_a_time_is_cut_at_its_deadline(
+    app: ASGIApp, name: str
+) -> None:
+    """Whether the app waits for the body or answers without it (the metrics port), a
+    body's whole arrival has a deadline: a peer cannot hold a connection by trickling."""
+    before = BREACHES[name, "body_timeout"]
+    async with serving(app=app, name=name) as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        stop = asyncio.Event()
+        writer.write(b"POST / HTTP/1.1\r\nhost: admin\r\ncontent-length: 100000\r\n\r\n")
+        dripping = asyncio.create_task(trickle(writer, stop))
+        try:
+            took = await closed_after(reader)
+        finally:
+            stop.set()
+            await dripping
+            writer.close()
+    assert BODY_TIMEOUT_S <= took < BODY_TIMEOUT_S + 2, took
+    assert BREACHES[name, "body_timeout"] == before + 1
+
+
+async def test_a_body_in_time_leaves_no_deadline_behind() -> None:
+    """The body's deadline ends with the body: an app that then takes longer than it to
+    answer is not cut."""
+    release = asyncio.Event()
+
+    async def slow_after_the_body(scope: Scope, receive: Receive, send: Send) -> None:
+        while (await receive()).get("more_body"):
+            pass
+        await release.wait()
+        await hello(scope, receive, send)
+
+    async with serving(app=slow_after_the_body, name="in-time") as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            writer.write(b"POST / HTTP/1.1\r\nhost: admin\r\ncontent-length: 4\r\n\r\nab")
+            await writer.drain()
+            await asyncio.sleep(0.1)
+            writer.write(b"cd")  # the body's end, in a read of its own
+            await asyncio.sleep(BODY_TIMEOUT_S * 3)
+            release.set()
+            async with asyncio.timeout(5):
+                assert (await reader.readuntil(b"hello")).startswith(b"HTTP/1.1 200")
+        finally:
+            release.set()
+            writer.close()
+    assert BREACHES["in-time", "body_timeout"] == 0
+
+
+async def test_past_the_cap_a_body_nobody_waits_for_is_evicted() -> None:
+    """A request answered without its body (the metrics port) whose body still trickles
+    makes room for a new peer, like a connection waiting for a head."""
+    async with serving(name="body-capped", max_connections=2, body_timeout_s=30) as port:
+        stop = asyncio.Event()
+        dripping = []
+        conns = []
+        for _ in range(2):
+            reader, writer = await asyncio.open_connection("127.0.0.1", port)
+            writer.write(b"POST / HTTP/1.1\r\nhost: admin\r\ncontent-length: 100000\r\n\r\n")
+            async with asyncio.timeout(5):
+                await reader.readuntil(b"hello")  # answered, the body still coming
+            dripping.append(asyncio.create_task(trickle(writer, stop)))
+            conns.append((reader, writer))
+        reader, writer = await get(port)
+        try:
+            async with asyncio.timeout(5):
+                assert (await reader.readuntil(b"hello")).startswith(b"HTTP/1.1 200")
+            assert await closed_after(conns[0][0]) < 5  # the first one, due first
+        finally:
+            stop.set()
+            await asyncio.gather(*dripping)
+            for _, w in [*conns, (reader, writer)]:
+                w.close()
