@@ -213,6 +213,7 @@ def main(argv: Sequence[str] | None = None) -> int:
                 limits=limits,
             )
         finally:
+            stop.set()  # the server may have failed to start (its port taken): end the follower
             if follower is not None:
                 await follower
             await router.store.close()

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import asyncio
 import socket
+import subprocess
 from collections.abc import AsyncIterator
 
 import grpc
@@ -25,8 +26,9 @@ from ext_proc.servicer import PROCESS_PATH, SERVICE_NAME, ExternalProcessor
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.table import RoutingTable
-from prefix_router.ops.procs import free_port
+from prefix_router.ops.procs import cli_command, free_port
 from prefix_router.state.routing import InProcessStore
+from tests.conftest import REDIS_URL
 
 
 @pytest.fixture(params=[Http2ExtProcServer, GrpcioExtProcServer])
@@ -92,7 +94,9 @@ async def test_health_follows_set_serving(served: tuple) -> None:
 
 @pytest.mark.parametrize("transport", [Http2ExtProcServer, GrpcioExtProcServer])
 async def test_connections_past_the_cap_are_closed_at_once(transport: type) -> None:
-    """``--h2-max-connections`` holds on both transports (grpcio's own knob on its)."""
+    """``--h2-max-connections`` holds on both transports (grpcio's own knob on its): ours
+    makes room by closing the oldest connection with no call open (an Envoy's idle one
+    reconnects), grpcio closes the new one."""
     table = RoutingTable.build(Fleet.of([Instance("127.0.0.1", 8000)]), RouterConfig())
     processor = ExternalProcessor(RequestRouter(table, InProcessStore()))
     server: ExtProcServer = transport(processor, PeerLimits(max_connections=3))
@@ -106,20 +110,49 @@ async def test_connections_past_the_cap_are_closed_at_once(transport: type) -> N
         s = socket.create_connection(("127.0.0.1", port), timeout=1)
         held.append(s)
         s.sendall(preface)
-        try:
-            while s.recv(4096):
-                pass
-        except TimeoutError:
-            return False
-        except ConnectionResetError:
-            pass
-        return True
+        return closed_at_once_on(s)
 
     held: list[socket.socket] = []
     try:
         closed = [await asyncio.to_thread(closed_at_once) for _ in range(4)]
+        oldest_closed = await asyncio.to_thread(closed_at_once_on, held[0])
     finally:
         for s in held:
             s.close()
         await server.stop(grace=0.5)
-    assert closed == [False, False, False, True]
+    if transport is Http2ExtProcServer:
+        assert (closed, oldest_closed) == ([False, False, False, False], True)
+    else:
+        assert (closed, oldest_closed) == ([False, False, False, True], False)
+
+
+def closed_at_once_on(s: socket.socket) -> bool:
+    """Whether the server has closed ``s`` (or does within a second)."""
+    try:
+        while s.recv(4096):
+            pass
+    except TimeoutError:
+        return False
+    except ConnectionResetError:
+        pass
+    return True
+
+
+def test_ext_proc_exits_when_its_port_is_taken_while_it_follows_redis() -> None:
+    """With no static fleet ext_proc follows the control plane's state in Redis; a server
+    that cannot start must still end the process (so a restart policy can act), not leave
+    it waiting on the follower for good."""
+    with socket.socket() as taken:
+        taken.bind(("127.0.0.1", 0))
+        taken.listen()
+        port = taken.getsockname()[1]
+        ran = subprocess.run(
+            cli_command(
+                "ext-proc", "--host", "127.0.0.1", "--port", str(port), "--redis-url", REDIS_URL
+            ),
+            capture_output=True,
+            text=True,
+            timeout=60,
+        )
+    assert ran.returncode != 0
+    assert "in use" in ran.stderr, ran.stderr[-2000:]

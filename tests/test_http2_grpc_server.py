@@ -24,6 +24,7 @@ import hpack
 import pytest
 from hyperframe.frame import ContinuationFrame, DataFrame, HeadersFrame
 
+from ext_proc.http2.connection import Http2Connection, ServerContext
 from ext_proc.http2.engine import ErrorCode
 from ext_proc.http2.grpc_server import (
     Answer,
@@ -32,7 +33,7 @@ from ext_proc.http2.grpc_server import (
     StatusCode,
     frame_message,
 )
-from ext_proc.http2.limits import PeerLimits
+from ext_proc.http2.limits import BreachReporter, PeerLimits
 from tests.support.h2_frames import PREFACE, grpc_request, parse
 from tests.support.h2_frames import frame as encode_frame
 from tests.support.wait import async_wait_until
@@ -600,6 +601,74 @@ async def test_a_peer_that_never_opens_its_window_is_disconnected_too() -> None:
         await server.stop(grace=0.5)
 
 
+async def test_a_peer_that_asks_without_opening_its_window_gets_no_more_answers_queued() -> None:
+    """Its window for our answers at 0, a peer sends message after message (tiny ones, each
+    answered at once): past max_queued_output of answers waiting, the server answers no
+    more and holds the messages with their window, so what it holds is bounded by the
+    windows it gave, not by how long the peer goes on; the stall timeout ends it."""
+    ends = Ends()
+    answered: list[int] = []
+
+    class Counting(Echo):
+        def on_message(self, message: bytes) -> Answer:
+            answered.append(len(message))
+            return message
+
+    limits = PeerLimits(write_stall_timeout=1.0, max_queued_output=64 * 1024, stream_window=4 << 20)
+    server = GrpcServer({ECHO: lambda: Counting(ends)}, limits)
+    await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        initial_window_0 = b"\x00\x04" + (0).to_bytes(4, "big")
+        writer.write(PREFACE + encode_frame(4, 0, 0, initial_window_0) + encode_frame(4, 1, 0))
+        writer.write(encode_frame(1, 0x4, 1, grpc_request(ECHO.encode())))
+        message = frame_message(b"q" * 1000)
+        for _ in range(2_000):  # 2 MB of questions, within the windows we gave
+            writer.write(encode_frame(0, 0, 1, message))
+        with contextlib.suppress(ConnectionError):
+            await writer.drain()
+        async with asyncio.timeout(30):
+            while await reader.read(65_536):  # read it all: only the windows hold it
+                pass
+        assert len(answered) < 300, len(answered)  # 64 KB of answers and one read's worth
+        assert server.reporter.totals == {"write_stall_timeout": 1}
+        assert ends.seen == [True]
+        writer.close()
+    finally:
+        await server.stop(grace=0.5)
+
+
+async def test_answers_held_for_the_peers_window_go_out_once_it_opens() -> None:
+    """The same backlog, with a peer that opens its window later: every message is
+    answered, in order, and the call ends OK."""
+    limits = PeerLimits(max_queued_output=16 * 1024)
+    server = GrpcServer({ECHO: lambda: Echo(Ends())}, limits)
+    await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        initial_window_0 = b"\x00\x04" + (0).to_bytes(4, "big")
+        writer.write(PREFACE + encode_frame(4, 0, 0, initial_window_0) + encode_frame(4, 1, 0))
+        writer.write(encode_frame(1, 0x4, 1, grpc_request(ECHO.encode())))
+        messages = [frame_message(b"%04d" % n + b"." * 996) for n in range(100)]
+        for n, message in enumerate(messages):
+            writer.write(encode_frame(0, 0x1 if n == 99 else 0, 1, message))
+        await writer.drain()
+        await asyncio.sleep(0.3)  # the backlog forms
+        writer.write(encode_frame(4, 0, 0, b"\x00\x04" + (1 << 20).to_bytes(4, "big")))
+        writer.write(encode_frame(8, 0, 0, (1 << 20).to_bytes(4, "big")))  # the connection's
+        received = b""
+        async with asyncio.timeout(30):
+            while b"grpc-status" not in received and (chunk := await reader.read(65_536)):
+                received += chunk
+                if any(f[0] == 1 and f[1] & 0x1 for f in parse(received)):  # trailers
+                    break
+        data = b"".join(p for kind, _, sid, p in parse(received) if kind == 0 and sid == 1)
+        assert data == b"".join(messages)
+        writer.close()
+    finally:
+        await server.stop(grace=0.5)
+
+
 @pytest.mark.parametrize("size", [2_000, 200_000])  # in one DATA frame, and in many
 async def test_a_message_over_the_size_limit_is_refused(size: int) -> None:
     server = GrpcServer({ECHO: lambda: Echo(Ends())}, PeerLimits(max_message_bytes=1_000))
@@ -610,5 +679,126 @@ async def test_a_message_over_the_size_limit_is_refused(size: int) -> None:
                 await call(ch, ECHO, [b"x" * size])
             assert refused.value.code() is grpc.StatusCode.RESOURCE_EXHAUSTED
             assert await call(ch, ECHO, [b"small"]) == [b"small"]
+    finally:
+        await server.stop(grace=0.5)
+
+
+async def read_frames(reader: asyncio.StreamReader, until: Callable[[list], bool]) -> list:
+    received = b""
+    async with asyncio.timeout(10):
+        while not until(parse(received)):
+            chunk = await reader.read(65_536)
+            if not chunk:
+                break
+            received += chunk
+    return parse(received)
+
+
+async def test_a_request_that_ends_inside_a_message_is_an_internal_error(served: tuple) -> None:
+    """gRPC's rule: the client's END_STREAM in the middle of a length-prefixed message is
+    an error (INTERNAL), not a call that ended well."""
+    server, _ = served
+    reader, writer = await raw_peer(server)
+    writer.write(encode_frame(1, 0x4, 1, grpc_request(ECHO.encode())))
+    writer.write(encode_frame(0, 0x1, 1, frame_message(b"0123456789a")[:9]))  # 9 bytes of 16
+    frames = await read_frames(reader, lambda fs: any(f[0] == 1 and f[1] & 0x1 for f in fs))
+    [block] = [payload for kind, flags, sid, payload in frames if kind == 1 and sid == 1]
+    headers = dict(hpack.Decoder().decode(block))
+    assert headers["grpc-status"] == str(StatusCode.INTERNAL.value)
+    await eventually(lambda: server.partial_bytes == 0)
+    writer.close()
+
+
+async def test_answers_ready_after_the_connection_failed_are_dropped_quietly() -> None:
+    """A reset burst ends the connection while calls still wait on their answers: when
+    those come, nothing is written after the connection's end, no task fails, and the
+    server still stops gracefully."""
+    loop = asyncio.get_running_loop()
+    errors: list[object] = []
+    loop.set_exception_handler(lambda _, context: errors.append(context.get("exception")))
+    gate = asyncio.Event()
+    server = GrpcServer({ECHO: lambda: Gated(gate)}, PeerLimits(reset_burst=1, reset_rate=0.01))
+    await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await raw_peer(server)
+        for sid in (1, 3, 5):
+            writer.write(encode_frame(1, 0x4, sid, grpc_request(ECHO.encode())))
+            writer.write(encode_frame(0, 0, sid, frame_message(b"ask")))
+        for sid in (1, 3):  # two resets of calls still open: past the burst of one
+            writer.write(encode_frame(3, 0, sid, (8).to_bytes(4, "big")))
+        await eventually(lambda: server.reporter.totals.get("reset_burst") == 1)
+        gate.set()  # stream 5's answer comes, after the connection's end
+        await asyncio.sleep(0.2)
+        writer.close()
+    finally:
+        await server.stop(grace=0.5)
+        loop.set_exception_handler(None)
+    assert errors == []
+
+
+async def test_a_connection_evicted_before_it_is_made_closes_once_it_is() -> None:
+    """On plain asyncio a burst of accepts builds every protocol before any is made: one
+    evicted meanwhile (its transport not there yet) must close when it arrives, not
+    live on untracked."""
+
+    class Transport:
+        aborted = False
+
+        def get_extra_info(self, name: str) -> object:
+            return ("192.0.2.1", 40000) if name == "peername" else None
+
+        def abort(self) -> None:
+            self.aborted = True
+
+        def write(self, data: bytes) -> None:
+            raise AssertionError("nothing is written to an evicted connection")
+
+    conn = Http2Connection(ServerContext(Echo, PeerLimits(), BreachReporter()))
+    conn.abort()
+    transport = Transport()
+    conn.connection_made(transport)  # type: ignore[arg-type]
+    assert transport.aborted
+
+
+async def test_a_stream_that_never_sends_its_first_message_is_reset() -> None:
+    """A stream opened and left silent would hold its slot (and, once routed, an
+    instance's in-flight count) for good: Envoy sends its first message at once, so a
+    stream without one after first_message_timeout is reset."""
+    ends = Ends()
+    server = GrpcServer({ECHO: lambda: Echo(ends)}, PeerLimits(first_message_timeout=0.5))
+    await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await raw_peer(server)
+        writer.write(encode_frame(1, 0x4, 1, grpc_request(ECHO.encode())))  # and nothing more
+        writer.write(encode_frame(1, 0x4, 3, grpc_request(ECHO.encode())))
+        writer.write(encode_frame(0, 0, 3, frame_message(b"here")))  # this one speaks
+        frames = await read_frames(reader, lambda fs: any(f[0] == 3 for f in fs))
+        assert [(sid, int.from_bytes(p, "big")) for kind, _, sid, p in frames if kind == 3] == [
+            (1, ErrorCode.CANCEL)
+        ]
+        assert server.reporter.totals == {"first_message_timeout": 1}
+        assert ends.seen == [True]
+        writer.close()
+    finally:
+        await server.stop(grace=0.5)
+
+
+async def test_at_the_connection_cap_an_idle_connection_makes_room() -> None:
+    """Every connection handshaken, none with a call open: a new peer (a restarted Envoy)
+    gets in by closing the oldest idle one, where it used to be refused."""
+    server = GrpcServer({ECHO: lambda: Echo(Ends())}, PeerLimits(max_connections=2))
+    await server.start("127.0.0.1", 0)
+    try:
+        idle = [await raw_peer(server) for _ in range(2)]
+        await eventually(lambda: server.connections == 2)
+        await asyncio.sleep(0.1)  # both handshaken
+        async with channel(server) as ch:
+            assert await call(ch, ECHO, [b"in"]) == [b"in"]
+        async with asyncio.timeout(5):
+            while await idle[0][0].read(65_536):  # the oldest: closed
+                pass
+        assert server.reporter.totals == {"max_connections": 1}
+        for _, writer in idle:
+            writer.close()
     finally:
         await server.stop(grace=0.5)

@@ -12,6 +12,8 @@ every read produced in one write, and holds every peer to
   (:meth:`Http2Connection.hold_partial`), and a stream whose message stops
   growing for ``partial_message_timeout`` is reset;
 * resets of streams whose call had not ended (a rapid-reset attack) are rate limited;
+* past ``max_queued_output`` of answers waiting for the peer's windows, new
+  messages wait unanswered, holding their window (:attr:`output_backlogged`);
 * a peer that has not completed the handshake in ``handshake_timeout``, a
   connection idle for ``idle_timeout`` and a peer that reads nothing of what we
   write (its socket, or its flow-control windows past ``max_queued_output``) for
@@ -67,6 +69,10 @@ class StreamListener(Protocol):
         """The stream ended abnormally (a RST_STREAM, a timeout, the connection was lost);
         nothing more can be sent on it. True if the call had not ended yet."""
 
+    def resume(self) -> None:
+        """The connection's answers no longer wait past ``max_queued_output`` for the
+        peer's windows (:attr:`Http2Connection.output_backlogged`): answer what was held."""
+
 
 OpenStream = Callable[["Http2Connection", int, Headers], StreamListener]
 """Called for each stream the client opens: ``(connection, stream id, request headers)``."""
@@ -85,9 +91,12 @@ class ServerContext:
 
 
 class _Stream:
-    __slots__ = ("listener", "unacked", "partial", "progress_at")
+    __slots__ = ("listener", "unacked", "partial", "progress_at", "opened_at", "silent")
 
-    def __init__(self) -> None:
+    def __init__(self, now: float) -> None:
+        self.opened_at = now
+        self.silent = True
+        """No byte of a message has arrived on it yet."""
         self.listener: StreamListener | None = None
         self.unacked = 0
         """Bytes received and not yet returned to the peer's window."""
@@ -120,6 +129,8 @@ class Http2Connection(asyncio.Protocol):
         self._engine = Engine(limits)
         self._streams: dict[int, _Stream] = {}
         self._partial = 0
+        self._silent = 0
+        """Open streams on which no byte of a message has arrived yet."""
         self._loop = asyncio.get_running_loop()
         now = self._loop.time()
         self.opened_at = now
@@ -134,6 +145,11 @@ class Http2Connection(asyncio.Protocol):
         """Since when the transport's buffer is full (the peer reads nothing)."""
         self._window_stalled_at: float | None = None
         """Since when more than ``max_queued_output`` waits for the peer's windows."""
+        self.output_backlogged = False
+        """More than ``max_queued_output`` of answers waits for the peer's windows: the
+        streams hold new messages unanswered (and their windows with them) meanwhile, so
+        a peer that asks without reading gets no more answers queued, only its windows'
+        worth of questions held."""
         self._closed = self._loop.create_future()
 
     # -- asyncio.Protocol -------------------------------------------------------------------
@@ -142,6 +158,9 @@ class Http2Connection(asyncio.Protocol):
         self._transport = cast(asyncio.Transport, transport)  # uvloop's is no subclass
         peer = transport.get_extra_info("peername")
         self.peer = str(peer[0]) if isinstance(peer, tuple) and peer else "?"
+        if self._failed:  # evicted before it was made
+            self._transport.abort()
+            return
         self.flush()
 
     def data_received(self, data: bytes) -> None:
@@ -233,14 +252,16 @@ class Http2Connection(asyncio.Protocol):
 
     def close_gracefully(self) -> None:
         """GOAWAY: no new streams; the connection closes when its open streams have ended."""
-        if self._going_away or self._transport is None:
+        if self._going_away or self._failed or self._transport is None:
             return
         self._going_away = True
         self._engine.goaway(ErrorCode.NO_ERROR)
         self.flush()
 
     def abort(self) -> None:
-        """Close now; open streams are reset (their listeners are told)."""
+        """Close now; open streams are reset (their listeners are told). Asked before the
+        connection is made (a burst of accepts), it closes as soon as it is."""
+        self._failed = True
         if self._transport is not None:
             self._transport.abort()
 
@@ -274,10 +295,13 @@ class Http2Connection(asyncio.Protocol):
         elif not self._streams and now - self._last_activity > limits.idle_timeout:
             self._ctx.reporter.breach("idle_timeout", self.peer, quiet=True)  # routine
             self.close_gracefully()
-        elif self._partial:
+        elif self._partial or self._silent:
             for stream_id, stream in list(self._streams.items()):
                 if stream.partial and now - stream.progress_at > limits.partial_message_timeout:
                     self._breach("partial_message_timeout")
+                    self.reset_stream(stream_id, ErrorCode.CANCEL)
+                elif stream.silent and now - stream.opened_at > limits.first_message_timeout:
+                    self._breach("first_message_timeout")
                     self.reset_stream(stream_id, ErrorCode.CANCEL)
             self.flush()
 
@@ -288,11 +312,14 @@ class Http2Connection(asyncio.Protocol):
 
     def _on_request(self, event: RequestReceived) -> None:
         stream_id = event.stream_id
-        stream = _Stream()
+        stream = _Stream(self._loop.time())
         self._streams[stream_id] = stream
+        self._silent += 1
         listener = self._ctx.open_stream(self, stream_id, event.headers)
         stream.listener = listener
         if event.end_stream:
+            stream.silent = False
+            self._silent -= 1
             listener.data_received(b"", True)
 
     def _on_data(self, event: DataReceived) -> None:
@@ -303,6 +330,9 @@ class Http2Connection(asyncio.Protocol):
             self._engine.consumed(stream_id, len(data))
             return
         stream.unacked += len(data)
+        if stream.silent and (data or event.end_stream):
+            stream.silent = False
+            self._silent -= 1
         stream.listener.data_received(data, event.end_stream)
 
     def _on_trailers(self, event: TrailersReceived) -> None:
@@ -330,6 +360,9 @@ class Http2Connection(asyncio.Protocol):
 
     def _release(self, stream_id: int, stream: _Stream) -> None:
         """Give back what a finished stream held: its window, its share of the budgets."""
+        if stream.silent:
+            stream.silent = False
+            self._silent -= 1
         if stream.unacked > 0:
             self._engine.consumed(stream_id, stream.unacked)
             stream.unacked = 0
@@ -351,23 +384,43 @@ class Http2Connection(asyncio.Protocol):
 
     def flush(self) -> None:
         transport = self._transport
-        if transport is None:
+        if transport is None or self._failed:  # ended: what is left is never sent
             return
         out = self._engine.output()
         if out:
             transport.write(out)
             if len(self._streams) >= self._limits.max_concurrent_streams and _refused_in(out):
                 self._breach("max_concurrent_streams")
-        if self._engine.queued() > self._limits.max_queued_output:
+        backlogged = self._engine.queued() > self._limits.max_queued_output
+        if backlogged:
             if self._window_stalled_at is None:
                 self._window_stalled_at = self._loop.time()
         else:
             self._window_stalled_at = None
+        if backlogged != self.output_backlogged:
+            self.output_backlogged = backlogged
+            if not backlogged:
+                self._resume_streams()
         if self._engine.done and not self._failed:
             goaway = goaway_in(out) if out else None
             if goaway is not None and goaway[0] != ErrorCode.NO_ERROR:
                 self._engine_refused(goaway[0], goaway[1])
             self._close_with(b"")
+
+    def _resume_streams(self) -> None:
+        """The answers' backlog is below ``max_queued_output`` again: the streams answer
+        the messages they held meanwhile, until it is over again."""
+        reading, self._reading = self._reading, True  # one write for all, below
+        try:
+            for stream in list(self._streams.values()):
+                if self.output_backlogged or self._failed:
+                    break
+                if stream.listener is not None:
+                    stream.listener.resume()
+        finally:
+            self._reading = reading
+        if not reading:
+            self.flush()
 
     def _engine_refused(self, code: int, debug: bytes) -> None:
         """The engine ended the connection with a GOAWAY of its own: count why."""

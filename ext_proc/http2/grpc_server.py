@@ -156,7 +156,9 @@ class GrpcCall:
             self._settle()
         if end_stream and not self._over:
             self._client_done = True
-            if self._pending is None and not self._backlog:
+            if self._buffer:  # the client ended in the middle of a message
+                self._fail(StatusCode.INTERNAL, "the request ended inside a message")
+            elif self._pending is None and not self._backlog:
                 self._finish(StatusCode.OK)
 
     def reset(self) -> bool:
@@ -197,8 +199,14 @@ class GrpcCall:
             if not self._conn.hold_partial(self._id, len(buffer)):
                 self._fail(StatusCode.RESOURCE_EXHAUSTED, "unfinished messages over budget")
 
+    def resume(self) -> None:
+        if self._pending is None and not self._over:
+            self._answer_backlog()
+            self._settle()
+            self._finish_if_done()
+
     def _deliver(self, message: bytes) -> None:
-        if self._pending is not None or self._backlog:
+        if self._pending is not None or self._backlog or self._conn.output_backlogged:
             self._backlog.append(message)
             self._backlog_bytes += 5 + len(message)
             return
@@ -255,14 +263,24 @@ class GrpcCall:
             return
         if answer is not None:
             self._send(answer)
+        self._answer_backlog()
+        self._settle()
+        self._finish_if_done()
+        self._conn.sent()
+
+    def _answer_backlog(self) -> None:
+        """Answer the messages that waited, in order, while nothing holds them back."""
+        conn = self._conn
         while self._backlog and self._pending is None and not self._over:
+            if conn.output_backlogged:
+                return
             message = self._backlog.popleft()
             self._backlog_bytes -= 5 + len(message)
             self._answer(message)
-        self._settle()
+
+    def _finish_if_done(self) -> None:
         if self._client_done and self._pending is None and not self._backlog and not self._over:
             self._finish(StatusCode.OK)
-        self._conn.sent()
 
     # -- answers ----------------------------------------------------------------------------
 
@@ -347,6 +365,7 @@ class GrpcServer:
             limits.idle_timeout / 4,
             limits.write_stall_timeout / 4,
             limits.partial_message_timeout / 4,
+            limits.first_message_timeout / 4,
         )
 
     def _open_call(self, conn: Http2Connection, stream_id: int, headers: Headers) -> GrpcCall:
@@ -372,8 +391,11 @@ class GrpcServer:
 
     def _connection(self) -> asyncio.Protocol:
         if len(self._connections) >= self.limits.max_connections:
-            # make room by the oldest connection still without a handshake, if any
-            waiting = next((c for c in self._connections if not c.handshaken), None)
+            # make room by the oldest connection still without a handshake, else the
+            # oldest without a call open (an Envoy's idle one reconnects), if any
+            waiting = next((c for c in self._connections if not c.handshaken), None) or next(
+                (c for c in self._connections if c.open_streams == 0), None
+            )
             self.reporter.breach("max_connections", waiting.peer if waiting else "?")
             if waiting is None:
                 return _Refuser()

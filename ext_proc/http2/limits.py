@@ -76,6 +76,11 @@ class PeerLimits:
     partial_message_timeout: float = _limit(
         "a stream whose unfinished message makes no progress this long is reset", 30.0
     )
+    first_message_timeout: float = _limit(
+        "a stream that has sent no byte of a message this long after it opened is reset "
+        "(Envoy sends its first message at once)",
+        10.0,
+    )
     max_header_list_size: int = _limit("decoded size of one header block", 64 * 1024)
     max_header_fields: int = _limit("fields in one header block", 128)
     max_continuations: int = _limit("CONTINUATION frames after one HEADERS frame", 8)
