@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import os
 import re
 import signal
@@ -10,6 +11,7 @@ import sys
 from pathlib import Path
 
 import httpx
+import psutil
 import pytest
 
 from control_plane.http_server import MAX_CONNECTIONS
@@ -314,3 +316,39 @@ def test_up_with_simulators_serving_several_models_routes_by_pool(
             unknown = stack.chat(client, "hi", model="base-c")
             assert unknown.status_code == 404
             assert unknown.json()["served_models"] == ["a-sql", "base-a", "base-b"]
+
+
+def test_up_stops_everything_when_no_one_reads_its_output_any_more(tmp_path: Path) -> None:
+    """``up 2>&1 | tee up.log`` and Ctrl-C: the reader goes first, and up's "stopping..."
+    meets a broken pipe (a closed terminal gives EIO alike). That once ended up with a
+    traceback before it stopped anything, leaving the stack running."""
+    ports = {name: free_port() for name in ("port", "admin-port", "envoy-admin-port", "xds-port")}
+    args = ["--run-dir", str(tmp_path / "run"), "--instances", "1", "--ext-procs", "1"]
+    for name, port in ports.items():
+        args += [f"--{name}", str(port)]
+    piped = UpProcess(args, tmp_path / "up.out")
+    # the reader copies up's lines until the banner's last one, then exits
+    reader = 'sed -u "/Ctrl-C stops everything/q"'
+    piped.argv = ["sh", "-c", f'"$@" 2>&1 | {reader}', "sh", *piped.argv]
+    with piped:
+        piped.wait_up()
+        wait_until(
+            lambda: not any(c.startswith("sed ") for c in commands(piped).values()), 10, "no reader"
+        )
+        [up_pid] = [
+            pid
+            for pid, cmd in commands(piped).items()
+            if "prefix_router up" in cmd and not cmd.startswith("sh ")
+        ]
+        os.kill(up_pid, signal.SIGINT)
+        piped.wait(timeout=60)  # the pipeline's status is the reader's
+        assert piped.leftovers() == []
+
+
+def commands(up: UpProcess) -> dict[int, str]:
+    """The command lines of up's tree now."""
+    found = {}
+    for pid in up.track():
+        with contextlib.suppress(psutil.NoSuchProcess):
+            found[pid] = " ".join(psutil.Process(pid).cmdline())
+    return found

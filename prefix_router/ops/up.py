@@ -39,7 +39,7 @@ import urllib.error
 import urllib.request
 from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any
+from typing import Any, TextIO
 
 import yaml
 from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_validator, model_validator
@@ -357,11 +357,10 @@ class Stack:
             return
         binary = shutil.which("redis-server")
         if binary is None:
-            print(
+            say(
                 "warning: no REDIS_URL and no redis-server on PATH: running a static fleet "
                 "with one ext_proc; in-flight counts are not shared and the admin API "
-                "cannot change the fleet",
-                file=sys.stderr,
+                "cannot change the fleet"
             )
             return
         port = free_port(self.settings.host)
@@ -592,7 +591,7 @@ def supervise(
     ``on_event``) and keep the control plane's report (through Redis) current."""
 
     def print_event(event: Event) -> None:
-        print(event.message(), file=sys.stderr, flush=True)
+        say(event.message())
         if on_event is not None:
             on_event(event)
 
@@ -618,9 +617,21 @@ def stop_when_orphaned(parent: int, stop: threading.Event, poll_s: float = 0.5) 
     process was handed to another): what ``--exit-with-parent`` watches."""
     while not stop.wait(poll_s):
         if os.getppid() != parent:
-            print(f"parent {parent} exited: stopping", file=sys.stderr, flush=True)
+            say(f"parent {parent} exited: stopping")
             stop.set()
             os.kill(os.getpid(), signal.SIGTERM)  # the main thread may be starting the stack
+
+
+def say(message: str, stream: TextIO | None = None) -> None:
+    """Print a line for the operator (to stderr by default), if anyone can still read it.
+
+    A closed terminal (EIO), or a pipe whose reader is gone (``up 2>&1 | tee``, and
+    Ctrl-C stops ``tee`` too: EPIPE), must not stop the stack from stopping its
+    processes, nor the supervisor from restarting them."""
+    try:
+        print(message, file=stream or sys.stderr, flush=True)
+    except (OSError, ValueError):  # ValueError: the stream was closed
+        pass
 
 
 STOP_SIGNALS = (signal.SIGTERM, signal.SIGINT, signal.SIGHUP, signal.SIGQUIT)
@@ -654,14 +665,14 @@ def main(argv: Sequence[str] | None = None) -> int:
             stack.start()
             starting = False
             if not stop.is_set():
-                print(stack.banner(), flush=True)
+                say(stack.banner(), sys.stdout)
             supervise(stack, stop)
         except Interrupted as signal_name:
-            print(f"{signal_name} during start-up", file=sys.stderr, flush=True)
+            say(f"{signal_name} during start-up")
         finally:
             starting = False
             if stack.procs:
-                print("stopping...", file=sys.stderr, flush=True)
+                say("stopping...")
             stack.stop()
     return 0
 
