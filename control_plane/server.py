@@ -52,7 +52,7 @@ from control_plane.service import AdminService
 from control_plane.xds_limits import XdsLimits, xds_grpc_server
 from prefix_router.core.config import RouterConfig, load_config_file, parse_config
 from prefix_router.core.errors import ConfigError, FleetError, StartupError
-from prefix_router.core.fleet import Fleet, fleet_from_file
+from prefix_router.core.fleet import INSTANCE_API_KEY_ENV, Fleet, fleet_from_file
 from prefix_router.logs import setup_logging
 from prefix_router.state.clock import CLOCK_SCALE_HELP, parse_clock_scale, scaled_clock
 from prefix_router.state.redis_url import resolve_redis_url
@@ -61,7 +61,6 @@ from prefix_router.state.store import DEFAULT_NAMESPACE, StateStore, watch_state
 log = logging.getLogger("prefix_router.control_plane")
 
 TOKEN_ENV = "PREFIX_ROUTER_ADMIN_TOKEN"
-INSTANCE_API_KEY_ENV = "VLLM_API_KEY"
 """The variable vLLM itself reads its --api-key from."""
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"

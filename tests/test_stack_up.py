@@ -17,6 +17,7 @@ import pytest
 from control_plane.http_server import MAX_CONNECTIONS
 from control_plane.server import _parser as control_plane_parser
 from prefix_router.core.errors import ConfigError
+from prefix_router.ops.launch import start_module
 from prefix_router.ops.procs import free_port
 from prefix_router.ops.up import Stack, resolve_settings
 from tests.conftest import REDIS_URL, ProcessReaper
@@ -352,3 +353,31 @@ def commands(up: UpProcess) -> dict[int, str]:
         with contextlib.suppress(psutil.NoSuchProcess):
             found[pid] = " ".join(psutil.Process(pid).cmdline())
     return found
+
+
+def test_up_in_front_of_servers_run_with_an_api_key(procs: ProcessReaper, tmp_path: Path) -> None:
+    """vLLM started with ``--api-key`` and the same key exported as VLLM_API_KEY (the
+    README's set-up): up learns the model and checks the route with the key, where it used
+    to ask without it and give up after a minute; clients still need their own key."""
+    port = free_port()
+    sim = ["--ports", str(port), "--api-key", "sk-test", "--model", "served-model"]
+    procs.add(start_module("sim", "vllm_sim", sim, tmp_path, ready_ports=[port]))
+    ports = {name: free_port() for name in ("port", "admin-port", "envoy-admin-port", "xds-port")}
+    args = ["--run-dir", str(tmp_path / "run"), "--ext-procs", "1"]
+    args += ["--backend", f"http://127.0.0.1:{port}"]
+    for name, value in ports.items():
+        args += [f"--{name}", str(value)]
+    with UpProcess(args, tmp_path / "up.out", env={**os.environ, "VLLM_API_KEY": "sk-test"}) as up:
+        banner = up.wait_up(timeout=60)
+        assert '"model": "served-model"' in banner
+        body = {
+            "model": "served-model",
+            "max_tokens": 1,
+            "messages": [{"role": "user", "content": "hi"}],
+        }
+        url = f"http://127.0.0.1:{ports['port']}/v1/chat/completions"
+        with httpx.Client(timeout=10) as client:
+            assert client.post(url, json=body).status_code == 401
+            keyed = client.post(url, json=body, headers={"authorization": "Bearer sk-test"})
+            assert keyed.status_code == 200
+        assert up.terminate() == 0

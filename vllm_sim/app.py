@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import contextlib
 import dataclasses
+import hmac
 import logging
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
@@ -258,8 +259,31 @@ class _Routes:
         return _json(self.instance.state())
 
 
-def create_app(instance: SimInstance) -> ASGIApp:
+class _RequireApiKey:
+    """vLLM's ``--api-key``: every ``/v1`` route wants ``Authorization: Bearer <key>`` and
+    answers 401 ``{"error": "Unauthorized"}`` without it; ``/health``, ``/metrics`` and the
+    rest stay open."""
+
+    def __init__(self, app: ASGIApp, *, api_key: str) -> None:
+        self.app = app
+        self.expected = f"Bearer {api_key}".encode()
+
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
+        if scope["type"] == "http" and scope["path"].startswith("/v1"):
+            given = next((v for k, v in scope["headers"] if k == b"authorization"), b"")
+            if not hmac.compare_digest(given, self.expected):
+                await Response(
+                    orjson.dumps({"error": "Unauthorized"}),
+                    status_code=401,
+                    media_type="application/json",
+                )(scope, receive, send)
+                return
+        await self.app(scope, receive, send)
+
+
+def create_app(instance: SimInstance, *, api_key: str | None = None) -> ASGIApp:
     """ASGI app serving ``instance``; drive it with uvicorn or ``httpx.ASGITransport``.
+    With ``api_key``, the ``/v1`` routes want it (:class:`_RequireApiKey`).
 
     The instance is stopped on ASGI lifespan shutdown; without a lifespan (in-process tests)
     the caller stops it with ``await instance.stop()``.
@@ -288,4 +312,5 @@ def create_app(instance: SimInstance) -> ASGIApp:
 
     app = Starlette(routes=routes, lifespan=lifespan)
     app.state.instance = instance
-    return _InstanceHeaders(app, name=instance.name)
+    guarded: ASGIApp = _RequireApiKey(app, api_key=api_key) if api_key else app
+    return _InstanceHeaders(guarded, name=instance.name)

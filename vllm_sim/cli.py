@@ -111,6 +111,11 @@ def build_parser() -> argparse.ArgumentParser:
     p.add_argument("--decode-ms-per-seq", type=float, default=None)
     p.add_argument("--attention-ns-per-token", type=float, default=None)
     p.add_argument("--loop", choices=("auto", "asyncio", "uvloop"), default="auto")
+    p.add_argument(
+        "--api-key",
+        default=None,
+        help="the /v1 routes want 'Authorization: Bearer KEY', as vLLM's --api-key",
+    )
     return p
 
 
@@ -162,6 +167,7 @@ def main(argv: list[str] | None = None) -> int:
                 profile=args.profile,
                 time_scale=args.time_scale,
                 serve=serve,
+                api_key=args.api_key,
                 **overrides,
             ),
             args.loop,

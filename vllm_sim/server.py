@@ -104,11 +104,13 @@ async def start_instances(
     host: str = "127.0.0.1",
     ports: Sequence[int],
     serve: Sequence[Sequence[str]] = (),
+    api_key: str | None = None,
 ) -> SimCluster:
     """Start one instance per port in the running loop; returns when all accept requests.
 
     ``serve``: what each instance serves (base model, then adapters), cycled over the
-    instances in port order; empty: every instance serves ``config``'s."""
+    instances in port order; empty: every instance serves ``config``'s. ``api_key``: the
+    ``/v1`` routes want it as a bearer token, as vLLM's ``--api-key`` does."""
     sockets = _bind(host, ports)
     cluster = SimCluster(members=[])
     for index, sock in enumerate(sockets):
@@ -116,7 +118,7 @@ async def start_instances(
         own = serving(config, serve[index % len(serve)]) if serve else config
         instance = SimInstance(own, name=str(port), engine_index=0)
         uv_config = uvicorn.Config(
-            create_app(instance),
+            create_app(instance, api_key=api_key),
             lifespan="off",
             log_config=None,
             log_level="warning",
@@ -172,6 +174,7 @@ async def serve_instances(
     stop: asyncio.Event | None = None,
     on_ready: Callable[[SimCluster], None] | None = None,
     serve: Sequence[Sequence[str]] = (),
+    api_key: str | None = None,
     **overrides: Any,
 ) -> None:
     """Serve ``count`` instances (or one per port in ``ports``) until SIGINT/SIGTERM or ``stop``.
@@ -187,6 +190,7 @@ async def serve_instances(
         host=host,
         ports=resolve_ports(base_port=base_port, count=count, ports=ports),
         serve=serve,
+        api_key=api_key,
     )
     stop = stop if stop is not None else asyncio.Event()
     loop = asyncio.get_running_loop()

@@ -34,6 +34,10 @@ class ServedModel:
         return cls(name=str(data["id"]), parent=None if parent is None else str(parent))
 
 
+INSTANCE_API_KEY_ENV = "VLLM_API_KEY"
+"""The environment variable holding the instances' API key (the one vLLM's ``--api-key``
+reads too): what the router's own requests to an instance, or through the router, carry."""
+
 MAX_MODEL_NAME = 256
 
 

@@ -187,9 +187,15 @@ def start_redis_server(
 
 
 def wait_routable(
-    base_url: str, model: str, procs: Sequence[ManagedProcess], timeout_s: float = 60.0
+    base_url: str,
+    model: str,
+    procs: Sequence[ManagedProcess],
+    timeout_s: float = 60.0,
+    *,
+    api_key: str | None = None,
 ) -> None:
-    """Ready when a chat completion through ``base_url`` answers 200."""
+    """Ready when a chat completion through ``base_url`` answers 200 (sent with
+    ``api_key`` as a bearer token when the instances need one)."""
     body = json.dumps(
         {
             "model": model,
@@ -206,7 +212,10 @@ def wait_routable(
         request = urllib.request.Request(
             f"{base_url}/v1/chat/completions",
             data=body,
-            headers={"content-type": "application/json"},
+            headers={
+                "content-type": "application/json",
+                **({"authorization": f"Bearer {api_key}"} if api_key else {}),
+            },
         )
         try:
             with urllib.request.urlopen(request, timeout=10) as r:

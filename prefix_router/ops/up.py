@@ -48,6 +48,7 @@ from prefix_router.core.config import RouterConfig, describe_validation_error, p
 from prefix_router.core.errors import ConfigError, FleetError, StartupError
 from prefix_router.core.fleet import (
     FLEET_FILE_FIELDS,
+    INSTANCE_API_KEY_ENV,
     Fleet,
     Instance,
     check_ring_keys,
@@ -537,13 +538,24 @@ class Stack:
     def wait_ready(self, timeout: float = 60.0) -> None:
         """Ready when a real chat completion through Envoy answers 200."""
         s = self.settings
-        wait_routable(f"http://{s.host}:{s.port}", self._model_name(), self.procs, timeout)
+        wait_routable(
+            f"http://{s.host}:{s.port}",
+            self._model_name(),
+            self.procs,
+            timeout,
+            api_key=os.environ.get(INSTANCE_API_KEY_ENV),
+        )
 
     def _model_name(self) -> str:
+        """The model the first instance serves (asked with the instances' API key, for
+        servers started with ``--api-key``), else the simulator's profile name."""
         s = self.settings
         url = f"http://{self.fleet.instances[0].id}/v1/models" if self.fleet else ""
+        key = os.environ.get(INSTANCE_API_KEY_ENV)
+        headers = {"authorization": f"Bearer {key}"} if key else {}
         with contextlib.suppress(OSError, ValueError, KeyError, IndexError):
-            with urllib.request.urlopen(url, timeout=5) as r:
+            request = urllib.request.Request(url, headers=headers)
+            with urllib.request.urlopen(request, timeout=5) as r:
                 return str(json.load(r)["data"][0]["id"])
         return s.sim_profile
 
