@@ -381,3 +381,30 @@ def test_up_in_front_of_servers_run_with_an_api_key(procs: ProcessReaper, tmp_pa
             keyed = client.post(url, json=body, headers={"authorization": "Bearer sk-test"})
             assert keyed.status_code == 200
         assert up.terminate() == 0
+
+
+def test_up_on_another_address_serves_there_and_keeps_its_inner_parts_on_loopback(
+    tmp_path: Path,
+) -> None:
+    """``--host`` is where users reach Envoy and the admin API (127.0.0.2 here, one of
+    this machine's addresses): up starts on it (it used to look for its parts on
+    127.0.0.1 and give up), and Envoy's unauthenticated admin is not served there."""
+    host = "127.0.0.2"
+    ports = {name: free_port() for name in ("port", "admin-port", "envoy-admin-port", "xds-port")}
+    args = ["--run-dir", str(tmp_path / "run"), "--instances", "1", "--ext-procs", "1"]
+    args += ["--host", host]
+    for name, value in ports.items():
+        args += [f"--{name}", str(value)]
+    with UpProcess(args, tmp_path / "up.out") as up:
+        up.wait_up(timeout=90)
+        with httpx.Client(timeout=10) as client:
+            body = {"model": "meta-llama/Llama-3.1-70B-Instruct", "max_tokens": 2}
+            body["messages"] = [{"role": "user", "content": "hi"}]  # type: ignore[assignment]
+            url = f"http://{host}:{ports['port']}/v1/chat/completions"
+            assert client.post(url, json=body).status_code == 200
+            assert client.get(f"http://{host}:{ports['admin-port']}/healthz").status_code == 200
+            admin = f":{ports['envoy-admin-port']}/server_info"
+            assert client.get(f"http://127.0.0.1{admin}").status_code == 200
+            with pytest.raises(httpx.ConnectError):
+                client.get(f"http://{host}{admin}")
+        assert up.terminate() == 0

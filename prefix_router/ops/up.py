@@ -79,6 +79,10 @@ from prefix_router.ops.supervise import Backoff, Component, Event, Supervisor
 from prefix_router.state.redis_url import redacted
 
 ENV_PREFIX = "PREFIX_ROUTER_"
+LOOPBACK = "127.0.0.1"
+"""Where the stack's inner parts listen whatever ``--host`` is: Redis, the simulators,
+ext_proc, the xDS port and Envoy's admin (unauthenticated: ``/quitquitquit``) serve only
+the stack itself. ``--host`` is for what users reach: Envoy's listener and the admin API."""
 
 
 class UpSettings(BaseModel):
@@ -86,7 +90,11 @@ class UpSettings(BaseModel):
 
     model_config = ConfigDict(frozen=True, extra="forbid")
 
-    host: str = Field("127.0.0.1", description="address every listener binds")
+    host: str = Field(
+        "127.0.0.1",
+        description="address Envoy's listener and the admin API bind (the stack's other "
+        "parts listen on 127.0.0.1 only)",
+    )
     port: int = Field(8080, ge=1, le=65535, description="OpenAI-compatible data plane (Envoy)")
     admin_port: int = Field(8081, ge=1, le=65535, description="admin REST API")
     envoy_admin_port: int = Field(9901, ge=1, le=65535, description="Envoy admin and stats")
@@ -301,7 +309,8 @@ class Stack:
             ("--envoy-admin-port", s.envoy_admin_port),
             ("--xds-port", s.xds_port),
         ):
-            if not port_is_free(port, s.host):
+            host = s.host if name in ("--port", "--admin-port") else LOOPBACK
+            if not port_is_free(port, host):
                 raise StartupError(f"port {port} ({name}) is taken: free it or choose another")
         reserve_ports([s.port, s.admin_port, s.envoy_admin_port, s.xds_port])
 
@@ -347,8 +356,7 @@ class Stack:
         )
         return proc
 
-    def _answers(self, *ports: int) -> Callable[[], bool]:
-        host = self.settings.host
+    def _answers(self, *ports: int, host: str = LOOPBACK) -> Callable[[], bool]:
         return lambda: all(port_answers(p, host) for p in ports)
 
     # -- components ----------------------------------------------------------------------
@@ -364,12 +372,12 @@ class Stack:
                 "cannot change the fleet"
             )
             return
-        port = free_port(self.settings.host)
+        port = free_port(LOOPBACK)
         self._add(
-            start_redis_server(binary, port, self.log_dir, host=self.settings.host),
+            start_redis_server(binary, port, self.log_dir, host=LOOPBACK),
             ready=self._answers(port),
         )
-        self.redis_url = f"redis://{self.settings.host}:{port}/0"
+        self.redis_url = f"redis://{LOOPBACK}:{port}/0"
         self.own_redis = True
 
     def _start_backends(self) -> Fleet:
@@ -383,12 +391,12 @@ class Stack:
                 return fleet_from_file(_read_yaml(s.fleet).get("instances") or [])
             except FleetError as exc:
                 raise ConfigError(f"fleet file {s.fleet}: {exc}") from None
-        ports = [free_port(s.host) for _ in range(s.instances)]
+        ports = [free_port(LOOPBACK) for _ in range(s.instances)]
         args = [
             "--ports",
             ",".join(map(str, ports)),
             "--host",
-            s.host,
+            LOOPBACK,
             "--profile",
             s.sim_profile,
             "--time-scale",
@@ -399,7 +407,7 @@ class Stack:
             start_module("vllm-sim", "vllm_sim", args, self.log_dir, ready_ports=ports),
             ready=self._answers(*ports),
         )
-        return Fleet.of([Instance(s.host, p) for p in ports])
+        return Fleet.of([Instance(LOOPBACK, p) for p in ports])
 
     def _write_fleet_file(self) -> Path:
         assert self.fleet is not None
@@ -439,7 +447,7 @@ class Stack:
         cap = s.http_max_connections
         limits = [] if cap is None else ["--http-max-connections", str(cap)]
         return [
-            *("--xds-host", s.host, "--xds-port", str(s.xds_port)),
+            *("--xds-host", LOOPBACK, "--xds-port", str(s.xds_port)),
             *("--admin-host", s.host, "--admin-port", str(s.admin_port)),
             *limits,
             *("--redis-url", self.redis_url, "--namespace", s.namespace),
@@ -461,13 +469,15 @@ class Stack:
             self.log_dir / "control-plane.log",
             env=env,
         ).start()
-        self._add(control_plane, ready=self._answers(s.admin_port, s.xds_port))
+        admin = self._answers(s.admin_port, host=s.host)
+        xds = self._answers(s.xds_port)
+        self._add(control_plane, ready=lambda: admin() and xds())
         wait_until_listening(control_plane, s.admin_port, host=s.host)
-        wait_until_listening(control_plane, s.xds_port, host=s.host)
-        ext_proc_ports = [free_port(s.host) for _ in range(s.ext_procs)]
+        wait_until_listening(control_plane, s.xds_port, host=LOOPBACK)
+        ext_proc_ports = [free_port(LOOPBACK) for _ in range(s.ext_procs)]
         for i, port in enumerate(ext_proc_ports):
-            metrics_port = free_port(s.host)
-            self.ext_proc_metrics.append(f"http://{s.host}:{metrics_port}/metrics")
+            metrics_port = free_port(LOOPBACK)
+            self.ext_proc_metrics.append(f"http://{LOOPBACK}:{metrics_port}/metrics")
             self._add(
                 start_ext_proc(
                     port,
@@ -475,7 +485,7 @@ class Stack:
                     name=f"ext_proc-{i}",
                     args=[
                         "--host",
-                        s.host,
+                        LOOPBACK,
                         "--redis-url",
                         self.redis_url,
                         "--namespace",
@@ -488,15 +498,15 @@ class Stack:
                 ),
                 ready=self._answers(port),
             )
-        self._start_envoy(ext_proc_ports, xds=(s.host, s.xds_port))
+        self._start_envoy(ext_proc_ports, xds=(LOOPBACK, s.xds_port))
 
     def _start_static(self) -> None:
         s = self.settings
         assert self.fleet is not None
-        port = free_port(s.host)
+        port = free_port(LOOPBACK)
         config_file = self.run_dir / "routing.json"
         config_file.write_text(json.dumps(self.config.to_json_dict()))
-        args = ["--host", s.host, "--config", str(config_file)]
+        args = ["--host", LOOPBACK, "--config", str(config_file)]
         args += ["--clock-scale", f"{s.instance_clock_scale:g}"]
         for inst in self.fleet.instances:
             args += ["--backend", inst.to_url()]
@@ -511,9 +521,9 @@ class Stack:
         params = BootstrapParams(
             listen_address=s.host,
             listen_port=s.port,
-            admin_address=s.host,
+            admin_address=LOOPBACK,  # unauthenticated (/quitquitquit): never on --host
             admin_port=s.envoy_admin_port,
-            ext_proc=tuple((s.host, p) for p in ext_proc_ports),
+            ext_proc=tuple((LOOPBACK, p) for p in ext_proc_ports),
             xds=xds,
         )
         envoy = start_envoy(
@@ -527,7 +537,7 @@ class Stack:
             return ManagedProcess(envoy.name, command.argv(base_id), envoy.log_path).start()
 
         def serves() -> bool:
-            return envoy_live(s.envoy_admin_port, s.host, timeout=0.5) and port_answers(
+            return envoy_live(s.envoy_admin_port, LOOPBACK, timeout=0.5) and port_answers(
                 s.port, s.host
             )
 
@@ -583,7 +593,7 @@ class Stack:
             lines.append(f"  Redis             {self.redis_url}  (this stack's own)")
         members = ", ".join(i.id for i in self.fleet.instances) if self.fleet else "-"
         lines += [
-            f"  Envoy admin       http://{s.host}:{s.envoy_admin_port}  (stats at /stats)",
+            f"  Envoy admin       http://{LOOPBACK}:{s.envoy_admin_port}  (stats at /stats)",
             f"  instances         {members}",
             f"  logs              {self.log_dir}",
             "Ctrl-C stops everything.",
