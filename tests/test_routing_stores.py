@@ -511,6 +511,26 @@ async def test_a_dead_replicas_counts_disappear(namespace: str) -> None:
         await dead.redis.aclose()
 
 
+async def test_a_replica_reaped_while_alive_writes_its_share_again(namespace: str) -> None:
+    """A replica whose loop stalled past its heartbeat's life is reaped by another, its
+    counts with it; at its next heartbeat it finds itself out of the set and writes its
+    share again, where it used to leave its requests uncounted until they ended."""
+    stalled = await RedisStore.connect(REDIS_URL, namespace=namespace)
+    survivor = await RedisStore.connect(REDIS_URL, namespace=namespace)
+    try:
+        taken = [(await route(stalled, doc(f"p{n}"))).instance_id for n in range(3)]
+        held = {t: taken.count(t) for t in set(taken)}
+        assert await settled(stalled, held) == held
+        await stalled.redis.delete(stalled.alive_key)  # its heartbeat's life ran out
+        await survivor.beat()  # reaped
+        assert await survivor.in_flight() == {}
+        await stalled.beat()  # alive after all
+        assert await settled(survivor, held) == held
+    finally:
+        await survivor.close()
+        await stalled.close()
+
+
 async def test_a_failed_round_trip_drops_every_pooled_connection(namespace: str) -> None:
     """When Redis restarts, every connection opened before is dead; one left in the pool
     fails the first round trip that draws it, after fleet-wide routing had resumed: an

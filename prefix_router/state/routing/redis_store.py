@@ -189,6 +189,8 @@ class RedisStore:
         self._wake = asyncio.Event()
         self._closing = False
         self._in_doubt = False
+        self._beaten = False
+        """A heartbeat has put this replica in the set of replicas already."""
         self._outage = False
         """A round trip failed since the last rewrite: the next one is followed by another."""
         self._settle_at: float | None = None
@@ -459,7 +461,11 @@ class RedisStore:
         copy = self._copy if args.log_from >= 0 else None
         if copy is not None:
             if log is None or log.entries is None or len(log.entries) % LOG_RECORD.size:
+                # Behind the log, or the log went back (Redis lost its data without the
+                # connection dropping): reload the index, and write this replica's share
+                # of the counts again in case they went too.
                 self._copy = self._view = None
+                self._in_doubt = True
                 self._start_reload(table)
                 return None
             copy.catch_up(log.seq, log.entries)
@@ -580,7 +586,13 @@ class RedisStore:
             pipe.set(self.alive_key, b"1", px=int(HEARTBEAT_TTL_S * 1000))
             pipe.sadd(self.replicas_key, self.replica)
             pipe.hgetall(self.models_key)
-            *_, models = await pipe.execute()
+            _, added, models = await pipe.execute()
+        if added and self._beaten:
+            # This replica was not in the set any more: another one reaped it (this loop
+            # stalled past the heartbeat's life) or Redis lost its data. Its share of the
+            # in-flight counts went with it: write it again.
+            self._in_doubt = True
+        self._beaten = True
         now = time.time()  # the control plane stamps the waiting counts on the wall clock
         self._learned = {_text(k): model_of_text(v, now) for k, v in models.items()}
         if self._view is not None:  # decisions on it from now on use what was learned
