@@ -695,3 +695,19 @@ async def test_a_prefix_is_as_recent_as_the_end_of_the_request_that_used_it(
         follows = await replica.route(key(turn + b" answer, second question"), table)
         replica.release(follows.instance_id)
         assert follows.decision.outcome is expected
+
+
+async def test_requests_on_an_instance_that_left_do_not_loosen_the_bound(
+    make_store: StoreFactory,
+) -> None:
+    """The in-flight bound is a multiple of the routable instances' mean: requests still
+    running on one that left the fleet (draining, unhealthy) count for neither. The
+    in-process store once counted them, so a hot key stayed on its holder far past it."""
+    store = await make_store()
+    leaving, *staying = FLEET.instances
+    only_leaving = RoutingTable.build(Fleet.of([leaving]), CONFIG)
+    for n in range(30):
+        await store.route(key(doc(f"long {n}")), only_leaving)
+    without = RoutingTable.build(Fleet.of(staying), CONFIG)
+    chosen = [(await store.route(key(doc("hot")), without)).instance_id for _ in range(8)]
+    assert len(set(chosen)) > 1, chosen  # past the bound of the two that stay: spilled

@@ -33,7 +33,6 @@ class InProcessStore:
         self._cache_models: dict[str, CacheModel] = {}
         """Each instance's cache model as of its last write (the index's view of it)."""
         self._in_flight: defaultdict[str, int] = defaultdict(int)
-        self._total = 0
         self._table: RoutingTable | None = None
         """The latest request's table: what a release's index write is made on."""
 
@@ -61,7 +60,6 @@ class InProcessStore:
         )
         self._cache_models.pop(chosen, None)
         self._in_flight[chosen] += 1
-        self._total += 1
         return Routed(decision, chosen, ring_order, self._work[chosen].busy_until)
 
     async def route(self, key: PrefixKey, table: RoutingTable, request_id: str = "") -> Routed:
@@ -77,7 +75,6 @@ class InProcessStore:
     ) -> None:
         if self._in_flight.get(instance_id, 0) > 0:
             self._in_flight[instance_id] -= 1
-            self._total -= 1
             work = self._work.get(instance_id)
             if work is not None:
                 self._work[instance_id] = finished(work, self.clock(), prefill_end)
@@ -101,7 +98,6 @@ class InProcessStore:
 
     async def close(self) -> None:
         self._in_flight.clear()
-        self._total = 0
 
     def _index_for(self, slots_log2: int) -> InProcessIndex:
         if self._index is None or self._index.slots_log2 != slots_log2:
@@ -135,7 +131,11 @@ class _View:
         return model.load(store._work.get(name, _IDLE), self.now, store._in_flight.get(name, 0))
 
     def total_in_flight(self) -> int:
-        return self._store._total
+        """Over the table's instances only, as the Redis store's view counts: requests
+        still running on an instance that left the routable set (draining, unhealthy)
+        must not raise the bound the routable ones are held to."""
+        in_flight = self._store._in_flight
+        return sum(in_flight.get(name, 0) for name in self._table.ids)
 
     def cache_model(self, tag: int) -> CacheModel | None:
         instance = self._table.instance_of_tag.get(tag)
