@@ -118,7 +118,22 @@ async def test_the_publisher_resolves_a_new_name_at_once_and_republishes() -> No
     ["10.0.0.7", "fd00::7", "vllm-0.vllm.ns.svc", "vllm-0.vllm.ns.svc.", "localhost", "vllm_1"],
 )
 def test_an_instance_address_is_an_ip_or_a_host_name(address: str) -> None:
-    check_address(address)
+    assert check_address(address) == address
+
+
+@pytest.mark.parametrize(
+    ("given", "canonical"),
+    [
+        ("FD00:0::7", "fd00::7"),
+        ("fd00:0000:0000:0000:0000:0000:0000:0007", "fd00::7"),
+    ],
+)
+def test_an_ip_is_kept_as_envoy_writes_it(given: str, canonical: str) -> None:
+    """Envoy hashes an IP instance's ring entries as its own canonical ``[ip]:port``:
+    an address kept as typed would put ext_proc's mirror of that instance elsewhere."""
+    instance = Instance(given, 8000)
+    assert (instance.address, instance.id) == (canonical, f"[{canonical}]:8000")
+    assert Instance.from_url(f"http://[{given}]:8000").id == f"[{canonical}]:8000"
 
 
 @pytest.mark.parametrize(

@@ -54,22 +54,26 @@ _LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 """One DNS label as hosts are named (RFC 1123; ``_`` too, as Docker names containers)."""
 
 
-def check_address(address: str) -> None:
+def check_address(address: str) -> str:
     """An instance's address is an IP literal or a host name Envoy and the prober can
     use: ``10.0.0.7``, ``fd00::7``, ``vllm-0.vllm.ns.svc``. Anything else would be taken
-    by the admin API and then fail every health probe, scrape and DNS lookup of it."""
+    by the admin API and then fail every health probe, scrape and DNS lookup of it.
+
+    Returns the address as Envoy writes it: an IP in its canonical form (``FD00:0::7`` ->
+    ``fd00::7``), since Envoy hashes ``ip:port`` for an IP instance's ring entries and
+    ext_proc's mirror must hash the same text; a name as given."""
     if ":" in address or all(part.isdigit() for part in address.split(".")):
         try:
-            ipaddress.ip_address(address)
+            return ipaddress.ip_address(address).compressed
         except ValueError:
             raise FleetError(f"instance address {address!r} is not a valid IP address") from None
-        return
     name = address[:-1] if address.endswith(".") else address
     if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in name.split(".")):
         raise FleetError(
             f"instance address {address!r} is neither an IP address nor a host name "
             "(dot-separated labels of 1..63 letters, digits, '-' or '_', 253 characters at most)"
         )
+    return address
 
 
 class InstanceState(StrEnum):
@@ -98,7 +102,11 @@ class Instance:
     def __post_init__(self) -> None:
         if not self.address:
             raise FleetError("instance address must not be empty")
-        check_address(self.address)
+        if not isinstance(self.address, str):
+            raise FleetError(f"instance address {self.address!r} must be a string")
+        canonical = check_address(self.address)
+        if canonical != self.address:
+            object.__setattr__(self, "address", canonical)
         if not 0 < self.port < 65536:
             raise FleetError(f"instance port {self.port} out of range 1..65535")
         if not 1 <= self.weight <= 128:
