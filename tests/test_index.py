@@ -6,6 +6,8 @@ import struct
 
 import pytest
 
+from prefix_router.core.config import RouterConfig
+from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.index import (
     SLOT_BYTES,
     STAMP_MASK,
@@ -22,6 +24,7 @@ from prefix_router.core.index import (
     record,
     stamp_of,
 )
+from prefix_router.core.table import RoutingTable
 
 A, B, C, GONE = 11, 22, 33, 44
 MODELS = {
@@ -111,3 +114,38 @@ def test_locate_and_tags_fit_their_fields() -> None:
     slot_index, fp = locate(0xFFFF_0000_0000_ABCD, 18)
     assert slot_index == 0x3FFFC and fp == 0xABCD
     assert all(1 <= identity_tag(f"10.0.0.{i}:8000") <= 0xFFFF for i in range(200))
+
+
+def by_ring_key(instance: Instance) -> str:
+    return instance.ring_key
+
+
+def colliding_pair() -> tuple[Instance, Instance]:
+    """Two instances whose identity tags collide (about 3% of 64-instance fleets have one)."""
+    seen: dict[int, str] = {}
+    for n in range(100_000):
+        address = f"10.{n // 62_500}.{(n // 250) % 250}.{n % 250 + 1}"
+        tag = identity_tag(f"{address}:8000")
+        if tag in seen:  # in ring-key order: the first keeps the plain tag
+            pair = sorted([Instance(seen[tag], 8000), Instance(address, 8000)], key=by_ring_key)
+            return pair[0], pair[1]
+        seen[tag] = address
+    raise AssertionError("no collision in 100,000 addresses")
+
+
+def test_an_instance_keeps_its_tag_while_the_one_it_collides_with_is_unhealthy() -> None:
+    """Tags are settled over the whole fleet: the later of two colliding instances keeps
+    its rehashed tag when the other only goes unhealthy, else the prefix index's entries
+    of each would pass to the other with every health flip."""
+    first, second = colliding_pair()
+    other = Instance("192.168.9.9", 8000)
+    healthy = RoutingTable.build(Fleet.of([first, second, other]), RouterConfig())
+    flipped = RoutingTable.build(
+        Fleet.of([first.with_changes(healthy=False), second, other]), RouterConfig()
+    )
+    tag = dict(zip(healthy.ids, healthy.tags, strict=True))
+    assert tag[first.id] != tag[second.id]
+    assert dict(zip(flipped.ids, flipped.tags, strict=True)) == {
+        second.id: tag[second.id],
+        other.id: tag[other.id],
+    }

@@ -20,8 +20,10 @@ has one pool, the whole fleet, and decides exactly as before.
 
 Identity tags are 16 bits (:func:`~prefix_router.core.index.identity_tag`); two instances
 of a fleet whose tags collide (about 3% of 64-instance fleets) are told apart by rehashing
-the later one's ring key, in ring-key order, so the tags of a fleet are distinct and an
-instance keeps its tag while the others come and go.
+the later one's ring key, in ring-key order over the whole fleet, routable or not, so
+the tags of a fleet are distinct and an instance keeps its tag while the others go
+unhealthy, drain and come back (one removed from the fleet may pass its tag on to the one
+it collided with).
 """
 
 from __future__ import annotations
@@ -143,7 +145,7 @@ class RoutingTable:
     @classmethod
     def build(cls, fleet: Fleet, config: RouterConfig, *, config_version: int = 0) -> RoutingTable:
         hosts = fleet.routable
-        tags = distinct_tags(hosts)
+        tags = distinct_tags(hosts, among=fleet.instances)
         fixed = config.prefix_match is PrefixMatch.FIXED
         k, width = config.ring.entries_per_weight, config.placement.width
         whole = Pool.build(
@@ -239,11 +241,17 @@ class RoutingTable:
         return (pool or self.whole).tokens[chosen]
 
 
-def distinct_tags(hosts: tuple[Instance, ...]) -> tuple[int, ...]:
-    """Each host's identity tag, rehashed where two collide (see the module doc)."""
+def distinct_tags(hosts: tuple[Instance, ...], among: Sequence[Instance] = ()) -> tuple[int, ...]:
+    """Each host's identity tag, rehashed where two collide (see the module doc).
+
+    Collisions are settled over ``among`` (the whole fleet: the hosts and those not
+    routable now), so a host's tag does not change when another one only goes unhealthy
+    or drains: the prefix index's entries of each would pass to the other."""
     taken: dict[int, str] = {}
     by_key: dict[str, int] = {}
-    for host in sorted(hosts, key=lambda h: h.ring_key):
+    for host in sorted(
+        {h.ring_key: h for h in (*among, *hosts)}.values(), key=lambda h: h.ring_key
+    ):
         tag, salt = identity_tag(host.ring_key), 0
         while tag in taken:
             salt += 1
