@@ -403,3 +403,33 @@ def test_bytes_and_fixed_keys_have_no_message_ends() -> None:
     assert len(extract_key(body, settings=fixed).blocks) == 1
     raw = KeySettings(prefix_length=32 * 1024, mode=PrefixMode.BYTES, block_bytes=256)
     assert extract_key(body, settings=raw).ends == block_ends(len(body), 256)
+
+
+def test_a_responses_agent_transcript_is_keyed_with_its_calls_and_their_outputs() -> None:
+    """A Responses input's function calls, their outputs and reasoning items reach the
+    model (vLLM renders them into the prompt) though they have no role: two transcripts
+    that differ only in a tool's output are different prompts, and the next step of one
+    shares its blocks, so it finds the instance that ran the step before."""
+
+    def transcript(output: str, *more: dict[str, object]) -> PrefixKey:
+        items: list[dict[str, object]] = [
+            {"role": "user", "content": "What is the weather in Paris? " * 20},
+            {"type": "reasoning", "id": "rs_1", "summary": []},
+            {"type": "function_call", "call_id": "c1", "name": "weather", "arguments": "{}"},
+            {"type": "function_call_output", "call_id": "c1", "output": output},
+            *more,
+        ]
+        body = json.dumps({"model": "m", "input": items}).encode()
+        return extract_key(body, settings=OPENAI, path="/v1/responses")
+
+    sunny, rainy = transcript("sunny, 21 C" * 10), transcript("rain, 12 C" * 10)
+    assert sunny.fallback is None and sunny.value != rainy.value
+    question = [{"role": "user", "content": "What is the weather in Paris? " * 20}]
+    bare = extract_key(
+        json.dumps({"model": "m", "input": question}).encode(),
+        settings=OPENAI,
+        path="/v1/responses",
+    )
+    assert sunny.value != bare.value
+    step = transcript("sunny, 21 C" * 10, {"role": "assistant", "content": "It is sunny."})
+    assert step.blocks[: len(sunny.blocks) - 1] == sunny.blocks[:-1]

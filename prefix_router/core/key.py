@@ -578,7 +578,27 @@ def _render_responses_input(items: Any, limit: int) -> Iterator[Part]:
     if isinstance(items, str):
         yield "user" + _FIELD + items[:limit], "user"
     elif isinstance(items, list) and items:
-        messages = [i for i in items if isinstance(i, dict) and "role" in i]
-        yield from _render_messages(messages, limit)
+        rendered = False
+        for item in items:
+            if not isinstance(item, dict):
+                continue
+            rendered = True
+            if "role" in item:
+                yield from _render_messages([item], limit)
+            else:  # a function call, its output, a reasoning item: the model sees them too
+                kind = _text(item.get("type", ""))
+                text = kind + _FIELD + _canonical_json(_cut_strings(item, limit))
+                yield text, _ITEM_ROLES.get(kind)
+        if not rendered:
+            raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
     else:
         raise _Unrenderable(Fallback.UNEXPECTED_SHAPE)
+
+
+_ITEM_ROLES = {
+    "function_call": "assistant",
+    "reasoning": "assistant",
+    "function_call_output": "tool",
+}
+"""Who speaks a Responses input item that has no role: the model its calls and reasoning
+(an instance that computed the prompt before them generated them), the tool its output."""
