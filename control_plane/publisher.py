@@ -21,6 +21,7 @@ import asyncio
 import contextlib
 import logging
 import time
+from collections.abc import Awaitable, Callable, Iterable
 from dataclasses import replace
 
 from control_plane.cache import ALL_NODES, SnapshotCache
@@ -116,16 +117,29 @@ class Publisher:
         )
 
 
+Resolver = Callable[[Iterable[str]], Awaitable[dict[str, str]]]
+
+
 async def keep_names_resolved(
-    publisher: Publisher, stop: asyncio.Event, *, interval_s: float = 10.0
+    publisher: Publisher,
+    stop: asyncio.Event,
+    *,
+    interval_s: float = 10.0,
+    resolver: Resolver = resolve,
 ) -> None:
     """Resolve the fleet's DNS names at once when a new one appears and every
-    ``interval_s`` after (a restarted pod may come back under a new IP)."""
+    ``interval_s`` after (a restarted pod may come back under a new IP).
+
+    A name whose lookup fails keeps the address it last had: dropping it would take the
+    instance off Envoy's ring (keys moving) while ext_proc's mirror, which knows nothing
+    of DNS, keeps it, until the next round. Envoy's health checks judge the old address."""
     while not stop.is_set():
         publisher.names_to_resolve.clear()
         names = publisher.names()
         if names:
-            publisher.on_addresses(await resolve(names))
+            answers = await resolver(names)
+            kept = {n: a for n, a in publisher.addresses.items() if n in names}
+            publisher.on_addresses({**kept, **answers})
         waits = [asyncio.ensure_future(e.wait()) for e in (stop, publisher.names_to_resolve)]
         with contextlib.suppress(TimeoutError):
             await asyncio.wait(waits, timeout=interval_s, return_when=asyncio.FIRST_COMPLETED)

@@ -164,3 +164,33 @@ def test_a_backend_url_is_an_http_instance(url: str, instance: Instance) -> None
 def test_a_backend_url_envoy_would_not_reach_as_written_is_refused(url: str) -> None:
     with pytest.raises(FleetError, match="backend"):
         Instance.from_url(url)
+
+
+async def test_a_name_whose_lookup_fails_keeps_its_last_address() -> None:
+    """One failed lookup (a DNS hiccup, a timeout) must not take the instance off Envoy's
+    ring while ext_proc's mirror keeps it: the name keeps the address it had."""
+    answers = [{"vllm-1": "10.0.0.9"}, {}]
+    asked = asyncio.Event()
+
+    async def flaky(names: Any) -> dict[str, str]:
+        answer = answers.pop(0) if answers else {}
+        if not answers:
+            asked.set()
+        return answer
+
+    cache = SnapshotCache()
+    publisher = Publisher(cache)
+    publisher.on_state(Fleet.of([IP, Instance("vllm-1", 8000)], version=3), RouterConfig(), 1)
+    stop = asyncio.Event()
+    resolver = asyncio.create_task(
+        keep_names_resolved(publisher, stop, interval_s=0.05, resolver=flaky)
+    )
+    try:
+        await asyncio.wait_for(asked.wait(), 10)
+        await asyncio.sleep(0.2)  # rounds with nothing resolved
+        published = cache.get_snapshot(ALL_NODES)
+        assert published is not None
+        assert [e[0] for e in endpoints(published)] == ["10.0.0.1", "10.0.0.9"]
+    finally:
+        stop.set()
+        await asyncio.wait_for(resolver, 5)
