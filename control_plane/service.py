@@ -190,7 +190,7 @@ class AdminService:
                 elif current.state is not InstanceState.DRAINING:
                     fields["draining_since"] = self.clock()
             changed = current.with_changes(**fields)
-            if changed.ring_key != current.ring_key:
+            if changed.ring_key != current.ring_key or changed.state is not current.state:
                 _ring_key_free(record, changed)
             return _replace(record, changed, removing)
 

@@ -270,3 +270,17 @@ async def test_an_instance_cannot_take_a_ring_key_another_one_has(admin: Admin) 
     # a key of its own, and the instance's own key given again, are both fine
     assert (await c.patch(f"/instances/{B.id}", json={"hash_key": "gpu-b"})).status_code == 200
     assert (await c.patch(f"/instances/{B.id}", json={"hash_key": "gpu-b"})).status_code == 200
+
+
+async def test_a_successor_takes_the_ring_key_of_an_instance_draining_away(admin: Admin) -> None:
+    """docs/deployment.md's replacement of a pod without a stable name: the old address
+    is removed (it drains, still in the fleet, on no ring) and the new one added with the
+    same hash_key. Bringing the old one back to active would then share the key: refused."""
+    c = admin.client
+    old = {"address": "10.0.12.7", "port": 8000, "hash_key": "vllm-0"}
+    assert (await c.post("/instances", json=old)).status_code == 201
+    assert (await c.delete("/instances/10.0.12.7:8000")).status_code == 202
+    new = {"address": "10.0.12.9", "port": 8000, "hash_key": "vllm-0"}
+    assert (await c.post("/instances", json=new)).status_code == 201
+    back = await c.patch("/instances/10.0.12.7:8000", json={"state": "active"})
+    assert back.status_code == 409 and "same ring key" in back.json()["detail"]

@@ -221,12 +221,15 @@ class Instance:
 
 
 def check_ring_keys(instances: list[Instance] | tuple[Instance, ...]) -> None:
-    """Two instances with the same ring key (``hash_key``, else ``address:port``) would put
-    the same hashes on Envoy's ring; which one owns them is then up to the order Envoy's
-    sort leaves equal entries in, so ext_proc's mirror could not follow. Refused where a
-    fleet is written (the admin API, a fleet file, ``--backend``)."""
+    """Two active instances with the same ring key (``hash_key``, else ``address:port``)
+    would put the same hashes on Envoy's ring; which one owns them is then up to the order
+    Envoy's sort leaves equal entries in, so ext_proc's mirror could not follow. Refused
+    where a fleet is written (the admin API, a fleet file, ``--backend``). A draining
+    instance is on no ring: its successor may take its ``hash_key`` while it drains."""
     owners: dict[str, str] = {}
     for instance in instances:
+        if instance.state is not InstanceState.ACTIVE:
+            continue
         other = owners.setdefault(instance.ring_key, instance.id)
         if other != instance.id:
             raise FleetError(
