@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -74,18 +75,37 @@ class ClientStatus:
         }
 
 
-class ClientRegistry(Callbacks):
-    """Connected Envoys and what each has ACKed, for status and for drain checks."""
+FORGET_AFTER_S = 600.0
+"""A client with no stream open is forgotten this long after its last one closed."""
+MAX_GONE = 64
+"""Clients with no stream open kept at most (the most recently seen): every Envoy pod
+restart brings a new node id, and any peer of the xDS port can make up more."""
 
-    def __init__(self) -> None:
+
+class ClientRegistry(Callbacks):
+    """Connected Envoys and what each has ACKed, for status and for drain checks; clients
+    gone (no stream open) are kept a while for status, within :data:`MAX_GONE` and
+    :data:`FORGET_AFTER_S`."""
+
+    def __init__(self, clock: Callable[[], float] = time.time) -> None:
         self.clients: dict[str, ClientStatus] = {}
+        self.clock = clock
 
     def _client(self, node: base_pb2.Node) -> ClientStatus:
         client = self.clients.get(node.id)
         if client is None:
             client = self.clients[node.id] = ClientStatus(node.id, node.cluster)
-        client.last_seen = time.time()
+        client.last_seen = self.clock()
         return client
+
+    def _forget_gone(self) -> None:
+        gone = sorted(
+            (c for c in self.clients.values() if not c.streams), key=lambda c: c.last_seen
+        )
+        now = self.clock()
+        for n, client in enumerate(gone):
+            if n < len(gone) - MAX_GONE or now - client.last_seen > FORGET_AFTER_S:
+                del self.clients[client.node_id]
 
     def on_stream_open(self, stream_id: int, node: base_pb2.Node) -> None:
         self._client(node).streams.add(stream_id)
@@ -93,8 +113,11 @@ class ClientRegistry(Callbacks):
 
     def on_stream_closed(self, stream_id: int, node: base_pb2.Node | None) -> None:
         if node is not None and node.id in self.clients:
-            self.clients[node.id].streams.discard(stream_id)
+            client = self.clients[node.id]
+            client.streams.discard(stream_id)
+            client.last_seen = self.clock()
             log.info("xDS stream %d of node %s closed", stream_id, node.id)
+        self._forget_gone()
 
     def on_response(self, stream_id: int, node: base_pb2.Node, type_url: str, version: str) -> None:
         client = self._client(node)
@@ -128,4 +151,5 @@ class ClientRegistry(Callbacks):
         return [c for c in self.clients.values() if c.streams]
 
     def to_json_list(self) -> list[dict[str, Any]]:
+        self._forget_gone()
         return [c.to_json_dict() for c in sorted(self.clients.values(), key=lambda c: c.node_id)]

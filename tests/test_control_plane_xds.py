@@ -16,7 +16,7 @@ from google.rpc import status_pb2
 
 from control_plane.ads import AdsServer
 from control_plane.cache import ALL_NODES, SnapshotCache
-from control_plane.callbacks import ClientRegistry
+from control_plane.callbacks import FORGET_AFTER_S, MAX_GONE, ClientRegistry
 from control_plane.publisher import Publisher
 from control_plane.snapshot import (
     CLUSTER_TYPE,
@@ -449,3 +449,23 @@ async def test_a_peer_that_reads_no_answers_is_held_back_not_buffered() -> None:
         call.cancel()
         await channel.close()
         await server.stop(grace=None)
+
+
+def test_clients_gone_are_forgotten_within_a_bound() -> None:
+    """Every Envoy pod restart is a new node id, and any peer of the xDS port can make up
+    more: clients with no stream open are kept for status, the most recent MAX_GONE, for
+    FORGET_AFTER_S at most; connected ones always."""
+    now = [1000.0]
+    registry = ClientRegistry(clock=lambda: now[0])
+    staying = base_pb2.Node(id="envoy-staying")
+    registry.on_stream_open(0, staying)
+    for n in range(1, MAX_GONE + 50):
+        node = base_pb2.Node(id=f"envoy-{n}")
+        registry.on_stream_open(n, node)
+        now[0] += 1
+        registry.on_stream_closed(n, node)
+    gone = [c for c in registry.clients.values() if not c.streams]
+    assert len(gone) == MAX_GONE and "envoy-1" not in registry.clients
+    assert f"envoy-{MAX_GONE + 49}" in registry.clients
+    now[0] += FORGET_AFTER_S + 1
+    assert [c["node_id"] for c in registry.to_json_list()] == ["envoy-staying"]
