@@ -210,6 +210,7 @@ async def drive(opening: bytes, sequence: list[tuple[Any, ...]], cuts: list[int]
         await asyncio.sleep(0)
     assert not errors, errors
     assert context.budget.used == 0
+    assert context.open_calls == 0
     assert calls.ended == calls.opened
 
 

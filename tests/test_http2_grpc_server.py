@@ -802,3 +802,30 @@ async def test_at_the_connection_cap_an_idle_connection_makes_room() -> None:
             writer.close()
     finally:
         await server.stop(grace=0.5)
+
+
+async def test_calls_past_the_process_cap_are_refused_and_the_count_given_back() -> None:
+    """Every open stream holds a call's state: past max_open_calls on all connections a
+    new one is refused (REFUSED_STREAM; Envoy goes on unrouted), and each stream that
+    ends, however it ends, gives its place back."""
+    ends = Ends()
+    server = GrpcServer({HOLD: lambda: Hold(ends)}, PeerLimits(max_open_calls=2))
+    await server.start("127.0.0.1", 0)
+    try:
+        first, second = await raw_peer(server), await raw_peer(server)
+        for _, writer in (first, second):
+            writer.write(encode_frame(1, 0x4, 1, grpc_request(HOLD.encode())))
+        await eventually(lambda: server._context.open_calls == 2)
+        first[1].write(encode_frame(1, 0x4, 3, grpc_request(HOLD.encode())))
+        frames = await read_frames(first[0], lambda fs: any(f[0] == 3 for f in fs))
+        resets = [(sid, int.from_bytes(p, "big")) for kind, _, sid, p in frames if kind == 3]
+        assert resets == [(3, ErrorCode.REFUSED_STREAM)]
+        assert server.reporter.totals == {"max_open_calls": 1}
+        first[1].write(encode_frame(3, 0, 1, (8).to_bytes(4, "big")))  # the client cancels one
+        second[1].close()  # and a connection goes
+        await eventually(lambda: server._context.open_calls == 0)
+        first[1].write(encode_frame(1, 0x4, 5, grpc_request(HOLD.encode())))
+        await eventually(lambda: server._context.open_calls == 1)
+        first[1].close()
+    finally:
+        await server.stop(grace=0.5)

@@ -88,6 +88,8 @@ class ServerContext:
         self.limits = limits
         self.reporter = reporter
         self.budget = PartialBudget(limits.process_partial_bytes)
+        self.open_calls = 0
+        """Streams open on all connections (each holds a call's state)."""
 
 
 class _Stream:
@@ -312,6 +314,12 @@ class Http2Connection(asyncio.Protocol):
 
     def _on_request(self, event: RequestReceived) -> None:
         stream_id = event.stream_id
+        ctx = self._ctx
+        if ctx.open_calls >= self._limits.max_open_calls:
+            self._breach("max_open_calls")
+            self._engine.reset(stream_id, ErrorCode.REFUSED_STREAM)
+            return
+        ctx.open_calls += 1
         stream = _Stream(self._loop.time())
         self._streams[stream_id] = stream
         self._silent += 1
@@ -360,6 +368,7 @@ class Http2Connection(asyncio.Protocol):
 
     def _release(self, stream_id: int, stream: _Stream) -> None:
         """Give back what a finished stream held: its window, its share of the budgets."""
+        self._ctx.open_calls -= 1
         if stream.silent:
             stream.silent = False
             self._silent -= 1

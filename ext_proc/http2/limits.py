@@ -53,6 +53,12 @@ class PeerLimits:
         "when it reaches it; more are refused with RST_STREAM)",
         1_000,
     )
+    max_open_calls: int = _limit(
+        "streams open on all connections of the process (each a request Envoy has in "
+        "flight, ~1.4 KB); one more is refused with RST_STREAM REFUSED_STREAM (Envoy goes on "
+        "without routing it)",
+        50_000,
+    )
     stream_window: int = _limit(
         "receive window of each stream, returned as the gRPC layer takes messages", 1 << 20
     )
