@@ -2,11 +2,14 @@
 
 from __future__ import annotations
 
+import asyncio
+
 from ext_proc.router import RequestRouter
-from ext_proc.state_follower import apply_state
+from ext_proc.state_follower import TableBuilder, apply_state
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.table import RoutingTable
+from prefix_router.state.routing import InProcessStore
 from prefix_router.state.routing.redis_store import RedisStore
 from tests.conftest import REDIS_URL
 
@@ -25,3 +28,22 @@ async def test_a_new_redis_timeout_bounds_the_stores_round_trips(namespace: str)
         assert router.table.config.redis_timeout_ms == 750
     finally:
         await store.close()
+
+
+async def test_tables_are_built_off_the_loop_and_the_newest_wanted_wins() -> None:
+    """A big fleet's rings take a good part of a second to build: the loop keeps serving
+    meanwhile (the old table routes until the new one is ready), and of states wanted one
+    after another the newest is the one in use at the end, never an older one after it."""
+    router = RequestRouter(RoutingTable.build(FLEET, RouterConfig()), InProcessStore())
+    heavy = Fleet.of(
+        [Instance(f"10.1.{n // 250}.{n % 250 + 1}", 8000, weight=16) for n in range(64)],
+        version=2,
+    )
+    builder = TableBuilder(router)
+    builder.want(heavy, RouterConfig(), 1)
+    await asyncio.sleep(0.01)  # the loop turns while the build runs
+    assert router.table.fleet_version == 1
+    builder.want(Fleet.of(list(FLEET.instances), version=3), RouterConfig(), 1)
+    builder.want(Fleet.of(list(FLEET.instances), version=4), RouterConfig(), 2)
+    await builder.settled()
+    assert (router.table.fleet_version, router.table.config_version) == (4, 2)
