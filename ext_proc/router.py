@@ -27,6 +27,7 @@ from prefix_router.core.decision import Outcome
 from prefix_router.core.key import Fallback, PrefixKey, extract_key
 from prefix_router.core.pools import unknown_model_body
 from prefix_router.core.table import Pool, RoutingTable
+from prefix_router.envoy.bootstrap import DEFAULT_EXT_PROC_TIMEOUT_MS
 from prefix_router.state.clock import scaled_clock
 from prefix_router.state.routing import InProcessStore, Routed, RoutingStore, StateUnavailable
 
@@ -34,6 +35,16 @@ log = logging.getLogger("prefix_router.ext_proc")
 
 STORE_BACKOFF_S = 0.5
 STORE_WAIT_FACTOR = 10
+STORE_WAIT_CAP_S = 0.8 * DEFAULT_EXT_PROC_TIMEOUT_MS / 1000
+"""The longest a request waits on the shared store, whatever ``redis_timeout_ms``: past
+Envoy's ext_proc message timeout (500 ms) the request would go on unrouted, so the wait
+ends in time to decide on this replica's own state instead."""
+
+
+def store_wait_s(redis_timeout_ms: float) -> float:
+    """How long a request may wait for the shared store: ``STORE_WAIT_FACTOR`` round trips
+    (time queued behind a burst is not Redis being slow), within ``STORE_WAIT_CAP_S``."""
+    return min(STORE_WAIT_FACTOR * redis_timeout_ms / 1000, STORE_WAIT_CAP_S)
 
 
 class RouterCallbacks:
@@ -239,16 +250,15 @@ class RequestRouter:
     ) -> tuple[Routed, RoutingStore, bool]:
         """A decision on the fleet's shared state after waiting for it, or on this
         replica's own when that is unavailable (then ``degraded`` is True)."""
-        now = time.monotonic()
-        if now >= self._store_down_until:
+        if time.monotonic() >= self._store_down_until:
             try:
-                backstop = STORE_WAIT_FACTOR * table.config.redis_timeout_ms / 1000
-                async with asyncio.timeout(backstop):
+                async with asyncio.timeout(store_wait_s(table.config.redis_timeout_ms)):
                     routed = await self.store.route(key, table, request_id)
                 self._store_answers()
                 return routed, self.store, False
             except (StateUnavailable, OSError, TimeoutError) as exc:
-                self._store_down_until = now + STORE_BACKOFF_S
+                # from the failure, not the start: a slow failure leaves a back-off too
+                self._store_down_until = time.monotonic() + STORE_BACKOFF_S
                 if not self._store_down:
                     self._store_down = True
                     log.warning(

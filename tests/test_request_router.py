@@ -2,15 +2,28 @@
 
 from __future__ import annotations
 
+import asyncio
 import json
+import time
 from collections import Counter
 from collections.abc import Sequence
 
-from ext_proc.router import PendingRoute, RequestRouter, RouterCallbacks, RouteResult
+import pytest
+
+from ext_proc.router import (
+    STORE_BACKOFF_S,
+    STORE_WAIT_CAP_S,
+    PendingRoute,
+    RequestRouter,
+    RouterCallbacks,
+    RouteResult,
+    store_wait_s,
+)
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.decision import IN_FLIGHT_SLACK, Outcome
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.table import RoutingTable
+from prefix_router.envoy.bootstrap import DEFAULT_EXT_PROC_TIMEOUT_MS
 from prefix_router.state.routing import InProcessStore, Routed, StateUnavailable
 
 CONFIG = RouterConfig()
@@ -136,3 +149,35 @@ async def test_a_request_ends_with_its_blocks_and_a_failed_release_fails_nothing
     assert store.released == [(result.decision.instance_id, result.key.blocks)]
     assert len(result.key.blocks) > 1 and await store.in_flight() == {}
     assert [str(e) for e in errors.seen] == ["index write failed"]
+
+
+@pytest.mark.parametrize(
+    ("redis_timeout_ms", "wait_s"),
+    [(10, 0.1), (40, 0.4), (100, STORE_WAIT_CAP_S), (1000, STORE_WAIT_CAP_S)],
+)
+def test_a_request_waits_for_the_store_no_longer_than_envoy_waits_for_it(
+    redis_timeout_ms: float, wait_s: float
+) -> None:
+    """Ten round trips, but never past Envoy's ext_proc message timeout (500 ms), after
+    which the request would go on unrouted rather than on this replica's own state."""
+    assert store_wait_s(redis_timeout_ms) == pytest.approx(wait_s)
+    assert STORE_WAIT_CAP_S < DEFAULT_EXT_PROC_TIMEOUT_MS / 1000
+
+
+class SlowlyDownStore(DownStore):
+    """A shared store that fails only after a while (a timeout of its own)."""
+
+    async def route(self, *args: object, **kwargs: object) -> Routed:
+        await asyncio.sleep(0.2)
+        raise StateUnavailable("timed out")
+
+
+async def test_the_back_off_runs_from_the_failure_not_from_the_request() -> None:
+    """A slow failure still leaves a whole back-off: the requests right after it decide
+    on this replica's state instead of waiting on the store again."""
+    router = RequestRouter(TABLE, SlowlyDownStore())
+    started = time.monotonic()
+    result = await router.route(body("slow"), path=PATH, tenant="")
+    failed_at = started + 0.2  # at the earliest
+    assert result.decision.outcome is Outcome.RING_ONLY
+    assert router._store_down_until >= failed_at + STORE_BACKOFF_S

@@ -237,7 +237,7 @@ class RedisStore:
         """A store on ``url``; works (degraded) even if Redis is down right now."""
         client = aioredis.Redis.from_url(
             url,
-            socket_timeout=max(timeout_s, 0.5),
+            socket_timeout=max(timeout_s, 1.0),  # the largest redis_timeout_ms a config may set
             socket_connect_timeout=max(timeout_s, 0.2),
             max_connections=256,
             health_check_interval=0,
