@@ -29,7 +29,6 @@ from prefix_router.core.fleet import Fleet, Instance, InstanceState
 from prefix_router.state.store import FleetRecord, StateError, StateStore
 
 log = logging.getLogger("prefix_router.control_plane.drain")
-audit_log = logging.getLogger("prefix_router.audit")
 
 
 class InFlightSource(Protocol):
@@ -118,7 +117,6 @@ class Drainer:
                 "after": None,
                 "fleet_version": after.fleet.version,
             }
-            audit_log.info("audit %s", entry)
             return entry
 
         before, after = await self.store.update_fleet(change, audit=audit)

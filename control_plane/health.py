@@ -31,7 +31,6 @@ from prefix_router.core.fleet import Fleet, Instance, InstanceState
 from prefix_router.state.store import FleetRecord, StateError, StateStore
 
 log = logging.getLogger("prefix_router.control_plane.health")
-audit_log = logging.getLogger("prefix_router.audit")
 
 
 @dataclass(slots=True)
@@ -123,7 +122,6 @@ class HealthProber:
                 "after": flips,
                 "fleet_version": after.fleet.version,
             }
-            audit_log.info("audit %s", entry)
             return entry
 
         await self.store.update_fleet(change, audit=audit)

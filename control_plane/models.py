@@ -32,7 +32,6 @@ from prefix_router.core.pools import layout
 from prefix_router.state.store import FleetRecord, StateError, StateStore
 
 log = logging.getLogger("prefix_router.control_plane.models")
-audit_log = logging.getLogger("prefix_router.audit")
 
 MODELS_PATH = "/v1/models"
 
@@ -169,7 +168,6 @@ class ModelDiscovery:
                 "after": {k: [m.name for m in v] for k, v in changed.items()},
                 "fleet_version": after.fleet.version,
             }
-            audit_log.info("audit %s", entry)
             return entry
 
         await self.store.update_fleet(change, audit=audit)

@@ -16,7 +16,6 @@ or the drain timeout passes.
 
 from __future__ import annotations
 
-import logging
 import time
 from collections.abc import Callable
 from typing import Any
@@ -30,8 +29,6 @@ from prefix_router.core.config import RouterConfig, parse_config
 from prefix_router.core.errors import FleetError
 from prefix_router.core.fleet import Fleet, Instance, InstanceState, check_ring_keys
 from prefix_router.state.store import ConfigRecord, FleetRecord, StateError, StateStore
-
-audit_log = logging.getLogger("prefix_router.audit")
 
 UPDATABLE = frozenset({"weight", "models", "hash_key", "state"})
 
@@ -69,7 +66,6 @@ def _fleet_audit(
             "after": new.to_json_dict() if new else None,
             "fleet_version": after.fleet.version,
         }
-        audit_log.info("audit %s", record)
         return record
 
     return entry
@@ -88,7 +84,6 @@ def _config_audit(
             "after": {k: v for k, v in new.items() if old.get(k) != v},
             "config_version": after.version,
         }
-        audit_log.info("audit %s", record)
         return record
 
     return entry

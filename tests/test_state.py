@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import asyncio
+import logging
 
 import pytest
+import redis
 
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.errors import FleetError
@@ -154,3 +156,29 @@ async def test_watch_state_survives_a_failing_callback(store: StateStore) -> Non
     finally:
         stop.set()
         await asyncio.wait_for(task, 5)
+
+
+async def test_an_audit_entry_is_logged_once_for_the_change_that_landed(
+    store: StateStore, caplog: pytest.LogCaptureFixture
+) -> None:
+    """A change that loses a race is made again, its audit entry too: only the one that
+    landed is logged, with the version it landed as."""
+    caplog.set_level(logging.INFO, logger="prefix_router.audit")
+    await store.update_fleet(add(A))
+    rival = redis.Redis.from_url(REDIS_URL)
+    raced = []
+
+    def audit(before: FleetRecord, after: FleetRecord) -> dict[str, object]:
+        if not raced:  # another writer changes the fleet between the read and the write
+            raced.append(True)
+            rival.set(store.keys.fleet, FleetRecord(Fleet.of([A], version=5)).to_json())
+        return {"action": "add", "fleet_version": after.fleet.version}
+
+    try:
+        await store.update_fleet(add(B), audit=audit)
+    finally:
+        rival.close()
+    logged = [r.getMessage() for r in caplog.records if r.name == "prefix_router.audit"]
+    assert len(logged) == 1 and "'fleet_version': 6" in logged[0], logged
+    [entry] = await store.audit_log()
+    assert entry["fleet_version"] == 6

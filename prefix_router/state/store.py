@@ -53,6 +53,8 @@ from prefix_router.core.errors import ConfigError, FleetError, PrefixRouterError
 from prefix_router.core.fleet import Fleet
 
 log = logging.getLogger("prefix_router.state.store")
+audit_log = logging.getLogger("prefix_router.audit")
+"""Every audit entry, once its change has landed in Redis."""
 
 DEFAULT_NAMESPACE = "prefix-router:"
 AUDIT_KEEP = 1000
@@ -329,6 +331,7 @@ class StateStore:
                         return before, before
                     pipe.multi()  # type: ignore[no-untyped-call]
                     pipe.set(key, dump(after))
+                    entry = None
                     if audit is not None:
                         entry = {"time": time.time(), **audit(before, after)}
                         pipe.lpush(self.keys.audit, json.dumps(entry, default=str))
@@ -337,8 +340,10 @@ class StateStore:
                     try:
                         await pipe.execute()
                     except WatchError:
-                        continue
+                        continue  # the change is made again: its entry too, then logged once
                     self._newest[key] = after
+                    if entry is not None:
+                        audit_log.info("audit %s", entry)
                     return before, after
         except (RedisError, OSError) as exc:
             raise StateError(f"cannot write state to Redis: {exc}") from None
