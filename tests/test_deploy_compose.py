@@ -441,11 +441,13 @@ def test_grafana_provisions_the_datasource_and_dashboards_folder(compose: dict[s
     ]
     dashboards = _container_path(grafana, provider["options"]["path"])
     assert dashboards == COMPOSE_DIR / "grafana" / "dashboards" and dashboards.is_dir()
-    for path in dashboards.glob("*.json"):  # whatever is there loads with this datasource
+    assert datasource["uid"] == "prometheus" and datasource["isDefault"] is True
+    boards = list(dashboards.glob("*.json"))
+    assert boards, "no dashboard to provision"
+    for path in boards:  # whatever is there loads with this datasource
         uids = set(re.findall(r'"uid":\s*"([^"]*)"', path.read_text()))
         json.loads(path.read_text())
         assert not any(u.startswith("${") and u != "${datasource}" for u in uids), path
-        assert datasource["uid"] == "prometheus" and datasource["isDefault"] is True
 
 
 def test_our_healthchecks_need_an_answer_and_end_before_docker_kills_them(

@@ -3,6 +3,9 @@
 from __future__ import annotations
 
 import asyncio
+import threading
+
+import pytest
 
 from ext_proc.router import RequestRouter
 from ext_proc.state_follower import TableBuilder, apply_state
@@ -30,20 +33,29 @@ async def test_a_new_redis_timeout_bounds_the_stores_round_trips(namespace: str)
         await store.close()
 
 
-async def test_tables_are_built_off_the_loop_and_the_newest_wanted_wins() -> None:
+async def test_tables_are_built_off_the_loop_and_the_newest_wanted_wins(
+    monkeypatch: pytest.MonkeyPatch,
+) -> None:
     """A big fleet's rings take a good part of a second to build: the loop keeps serving
     meanwhile (the old table routes until the new one is ready), and of states wanted one
     after another the newest is the one in use at the end, never an older one after it."""
     router = RequestRouter(RoutingTable.build(FLEET, RouterConfig()), InProcessStore())
-    heavy = Fleet.of(
-        [Instance(f"10.1.{n // 250}.{n % 250 + 1}", 8000, weight=16) for n in range(64)],
-        version=2,
-    )
+    real_build = RoutingTable.build
+    release = threading.Event()
+
+    def held_build(fleet: Fleet, config: RouterConfig, *, config_version: int = 0) -> RoutingTable:
+        if fleet.version == 2:  # the big one: held until the test has seen the loop turn
+            assert release.wait(30)
+        return real_build(fleet, config, config_version=config_version)
+
+    monkeypatch.setattr(RoutingTable, "build", held_build)
     builder = TableBuilder(router)
-    builder.want(heavy, RouterConfig(), 1)
-    await asyncio.sleep(0.01)  # the loop turns while the build runs
+    builder.want(Fleet.of(list(FLEET.instances), version=2), RouterConfig(), 1)
+    for _ in range(3):
+        await asyncio.sleep(0)  # the loop turns while the build is held
     assert router.table.fleet_version == 1
     builder.want(Fleet.of(list(FLEET.instances), version=3), RouterConfig(), 1)
     builder.want(Fleet.of(list(FLEET.instances), version=4), RouterConfig(), 2)
+    release.set()
     await builder.settled()
     assert (router.table.fleet_version, router.table.config_version) == (4, 2)

@@ -154,7 +154,9 @@ def test_envoy_stats_worth_alerting_on_are_on_its_admin_interface(
         assert int(stats["cluster.models.upstream_rq_5xx"]) >= 1
 
         samples = envoy_prometheus(stack)
-        for stat, name, labels in documented_envoy_stats():
+        documented = documented_envoy_stats()
+        assert documented, "docs/observability.md documents no Envoy stat"
+        for stat, name, labels in documented:
             assert stat in stats, f"{stat} is not in Envoy's /stats"
             assert any(n == name and labels.items() <= got.items() for n, got, _ in samples), (
                 f"{name}{labels} is not in Envoy's /stats/prometheus"

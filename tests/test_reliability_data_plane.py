@@ -257,7 +257,8 @@ async def test_a_hung_instance_is_taken_out_by_health_checks(
     stack = start_static_stack(procs, log_dir, backends=4, sim_args=["--time-scale", "20"])
     victim = stack.fleet.instances[2].id
     async with httpx.AsyncClient(timeout=10) as client:
-        assert all(envoy_health(stack).values())
+        health = envoy_health(stack)
+        assert health and all(health.values())
         r = await client.post(f"http://{victim}/sim/fault", json={"mode": "hang"})
         assert r.status_code == 200
         try:
@@ -296,9 +297,12 @@ async def test_when_every_health_check_fails_at_once_requests_still_go_through(
         for instance in stack.fleet.instances:
             assert (await client.post(f"http://{instance.id}/sim/fault", json=slow)).is_success
         try:
-            await asyncio.to_thread(
-                wait_until, lambda: not any(envoy_health(stack).values()), 30, "every check fails"
-            )
+
+            def every_check_fails() -> bool:
+                health = envoy_health(stack)
+                return bool(health) and not any(health.values())
+
+            await asyncio.to_thread(wait_until, every_check_fails, 30, "every check fails")
             codes = await load(stack, seconds=2, concurrency=6)
             report("every health check failing", sent=sum(codes.values()), codes=dict(codes))
             assert set(codes) == {200}, codes

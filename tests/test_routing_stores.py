@@ -301,7 +301,9 @@ async def test_a_caller_giving_up_as_its_reservation_is_made_leaks_no_count(
         waiter = asyncio.create_task(store.route(key(doc("given up")), table))
         await asyncio.sleep(0)
         [waiting] = store._waiting
+        deadline = time.monotonic() + 10
         while not waiting.future.done():  # resolved; the waiter has not run since
+            assert time.monotonic() < deadline, "the flusher never resolved the wait"
             await asyncio.sleep(0)
         reserved = waiting.future.result().instance_id
         waiter.cancel()
@@ -496,18 +498,21 @@ async def test_after_a_slow_spell_a_far_redis_is_used_again(namespace: str) -> N
 
 async def test_a_dead_replicas_counts_disappear(namespace: str) -> None:
     dead = await RedisStore.connect(REDIS_URL, namespace=namespace)
-    taken = [(await route(dead, doc(f"p{n}"))).instance_id for n in range(3)]
-    dead.release(taken[0])  # its share now holds a field that went back to 0
-    held = {t: taken[1:].count(t) for t in set(taken[1:])}
-    assert await settled(dead, held) == held  # its counts are in Redis before it dies
-    await dead.stop_tasks()  # dies: no more heartbeats, no goodbye
-    await dead.redis.delete(dead.alive_key)  # as if its heartbeat TTL ran out
-    survivor = await RedisStore.connect(REDIS_URL, namespace=namespace)
+    survivor = None
     try:
+        taken = [(await route(dead, doc(f"p{n}"))).instance_id for n in range(3)]
+        dead.release(taken[0])  # its share now holds a field that went back to 0
+        held = {t: taken[1:].count(t) for t in set(taken[1:])}
+        assert await settled(dead, held) == held  # its counts are in Redis before it dies
+        await dead.stop_tasks()  # dies: no more heartbeats, no goodbye
+        await dead.redis.delete(dead.alive_key)  # as if its heartbeat TTL ran out
+        survivor = await RedisStore.connect(REDIS_URL, namespace=namespace)
         await survivor.beat()
         assert await survivor.in_flight() == {}
     finally:
-        await survivor.close()
+        if survivor is not None:
+            await survivor.close()
+        await dead.stop_tasks()
         await dead.redis.aclose()
 
 

@@ -57,15 +57,20 @@ class PeakSampler:
     def __init__(self, stack: StaticStack) -> None:
         self.urls = [f"http://{i.id}/sim/state" for i in stack.fleet.instances]
         self.peak: Counter[str] = Counter()
+        self.busy_samples = 0
+        """Samples that saw some instance with a request: the peak measured something."""
         self._task: asyncio.Task[None] | None = None
 
     async def _run(self, client: httpx.AsyncClient) -> None:
         while True:
             states = await asyncio.gather(*(client.get(u) for u in self.urls))
+            loads = []
             for state in states:
                 body = state.json()
                 load = body["running"] + body["waiting"]
+                loads.append(load)
                 self.peak[body["name"]] = max(self.peak[body["name"]], load)
+            self.busy_samples += any(loads)
             await asyncio.sleep(0.005)
 
     async def __aenter__(self) -> PeakSampler:
@@ -76,8 +81,10 @@ class PeakSampler:
     async def __aexit__(self, *exc: object) -> None:
         assert self._task is not None
         self._task.cancel()
-        await asyncio.gather(self._task, return_exceptions=True)
+        [ended] = await asyncio.gather(self._task, return_exceptions=True)
         await self._client.aclose()
+        if not isinstance(ended, asyncio.CancelledError):  # it failed while sampling
+            raise AssertionError(f"the sampler stopped: {ended!r}")
 
 
 def chat_body(prompt: str) -> bytes:
@@ -150,6 +157,7 @@ async def test_a_hot_prefix_spreads_with_load_and_never_overloads_one(
     # see each other's decisions one Redis round trip late: a burst that reaches both at
     # once may fill an instance to the bound from each side (docs/reliability.md says so).
     bound = math.ceil(stack.config.spill.load_factor * 100 / INSTANCES + IN_FLIGHT_SLACK) * replicas
+    assert sampler.busy_samples > 0, "no sample saw the burst"
     assert max(sampler.peak.values()) <= bound, (sampler.peak, uncounted_routing_stats(stack))
     assert sum(served.values()) == 100 and max(served.values()) <= bound, served
     assert len(served) >= 100 / bound and home in served, served

@@ -172,12 +172,14 @@ def test_up_serves_stops_cleanly_and_starts_again_at_once(namespace: str, tmp_pa
         assert again.leftovers() == []
 
 
-def test_up_stops_everything_when_the_process_that_started_it_exits(tmp_path: Path) -> None:
+def test_up_stops_everything_when_the_process_that_started_it_exits(
+    namespace: str, tmp_path: Path
+) -> None:
     """``--exit-with-parent`` (what ``make run`` passes): the parent killed outright, as a
     SIGTERM to make alone leaves its child, and up stops its stack and exits."""
     ports = {name: free_port() for name in ("port", "admin-port", "envoy-admin-port", "xds-port")}
     args = ["--run-dir", str(tmp_path / "run"), "--instances", "1", "--ext-procs", "1"]
-    args += ["--exit-with-parent", "true"]
+    args += ["--exit-with-parent", "true", "--namespace", namespace]
     for name, port in ports.items():
         args += [f"--{name}", str(port)]
     parent = UpProcess(args, tmp_path / "up.out")
@@ -319,12 +321,15 @@ def test_up_with_simulators_serving_several_models_routes_by_pool(
             assert unknown.json()["served_models"] == ["a-sql", "base-a", "base-b"]
 
 
-def test_up_stops_everything_when_no_one_reads_its_output_any_more(tmp_path: Path) -> None:
+def test_up_stops_everything_when_no_one_reads_its_output_any_more(
+    namespace: str, tmp_path: Path
+) -> None:
     """``up 2>&1 | tee up.log`` and Ctrl-C: the reader goes first, and up's "stopping..."
     meets a broken pipe (a closed terminal gives EIO alike). That once ended up with a
     traceback before it stopped anything, leaving the stack running."""
     ports = {name: free_port() for name in ("port", "admin-port", "envoy-admin-port", "xds-port")}
     args = ["--run-dir", str(tmp_path / "run"), "--instances", "1", "--ext-procs", "1"]
+    args += ["--namespace", namespace]
     for name, port in ports.items():
         args += [f"--{name}", str(port)]
     piped = UpProcess(args, tmp_path / "up.out")
@@ -355,7 +360,9 @@ def commands(up: UpProcess) -> dict[int, str]:
     return found
 
 
-def test_up_in_front_of_servers_run_with_an_api_key(procs: ProcessReaper, tmp_path: Path) -> None:
+def test_up_in_front_of_servers_run_with_an_api_key(
+    namespace: str, procs: ProcessReaper, tmp_path: Path
+) -> None:
     """vLLM started with ``--api-key`` and the same key exported as VLLM_API_KEY (the
     README's set-up): up learns the model and checks the route with the key, where it used
     to ask without it and give up after a minute; clients still need their own key."""
@@ -363,7 +370,7 @@ def test_up_in_front_of_servers_run_with_an_api_key(procs: ProcessReaper, tmp_pa
     sim = ["--ports", str(port), "--api-key", "sk-test", "--model", "served-model"]
     procs.add(start_module("sim", "vllm_sim", sim, tmp_path, ready_ports=[port]))
     ports = {name: free_port() for name in ("port", "admin-port", "envoy-admin-port", "xds-port")}
-    args = ["--run-dir", str(tmp_path / "run"), "--ext-procs", "1"]
+    args = ["--run-dir", str(tmp_path / "run"), "--ext-procs", "1", "--namespace", namespace]
     args += ["--backend", f"http://127.0.0.1:{port}"]
     for name, value in ports.items():
         args += [f"--{name}", str(value)]
@@ -384,7 +391,7 @@ def test_up_in_front_of_servers_run_with_an_api_key(procs: ProcessReaper, tmp_pa
 
 
 def test_up_on_another_address_serves_there_and_keeps_its_inner_parts_on_loopback(
-    tmp_path: Path,
+    namespace: str, tmp_path: Path
 ) -> None:
     """``--host`` is where users reach Envoy and the admin API (127.0.0.2 here, one of
     this machine's addresses): up starts on it (it used to look for its parts on
@@ -392,7 +399,7 @@ def test_up_on_another_address_serves_there_and_keeps_its_inner_parts_on_loopbac
     host = "127.0.0.2"
     ports = {name: free_port() for name in ("port", "admin-port", "envoy-admin-port", "xds-port")}
     args = ["--run-dir", str(tmp_path / "run"), "--instances", "1", "--ext-procs", "1"]
-    args += ["--host", host]
+    args += ["--host", host, "--namespace", namespace]
     for name, value in ports.items():
         args += [f"--{name}", str(value)]
     with UpProcess(args, tmp_path / "up.out") as up:

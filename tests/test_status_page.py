@@ -134,9 +134,9 @@ def test_status_page_shows_the_fleet_and_follows_changes(
 
             spare = stack.start_spare_sim()
             host, port = spare.rsplit(":", 1)
+            before = rows(driver)  # before the page can show the change
             r = admin.post("/instances", json={"address": host, "port": int(port)})
             assert r.status_code == 201, r.text
-        before = rows(driver)
         wait_for(
             lambda: (
                 sorted(rows(driver)) == sorted([*ids, spare])
