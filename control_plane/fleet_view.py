@@ -94,6 +94,11 @@ class Window(Generic[T]):
     def newest(self) -> T | None:
         return self.items[-1][1] if self.items else None
 
+    def current(self, now: float) -> bool:
+        """Whether its newest reading is within the span: a window an instance that
+        stopped answering left behind keeps its last minute for good otherwise."""
+        return bool(self.items) and now - self.items[-1][0] <= self.span_s
+
     @property
     def elapsed_s(self) -> float:
         """Seconds between the oldest and the newest reading."""
@@ -187,7 +192,12 @@ def instance_stats(
 ) -> InstanceStats:
     """One instance's row: pure, from what was read."""
     newest = window.newest if window else None
-    delta = reading_delta(newest, window.oldest) if window and newest and window.oldest else None
+    recent = window is not None and window.current(now)
+    delta = (
+        reading_delta(newest, window.oldest)
+        if window and recent and newest and window.oldest
+        else None
+    )
     up = scrape is not None and scrape.error is None
     live = scrape.reading if up and scrape is not None else None
     return InstanceStats(
@@ -223,14 +233,18 @@ def fleet_stats(
     rows: list[InstanceStats],
     loads: LoadsReading,
     decisions: Window[tuple[int, int]],
+    *,
+    now: float | None = None,
 ) -> FleetStats:
-    """Fleet-wide figures: counters summed over instances, histograms merged."""
+    """Fleet-wide figures: counters summed over instances, histograms merged. The last
+    minute's are over the instances read in it (``now``: None takes every window as
+    current); the cumulative ones over every instance ever read."""
     window_deltas: list[VllmDelta] = []
     totals: list[VllmDelta] = []
     for w in windows:
         if w.newest is not None:
             totals.append(reading_delta(w.newest, None))
-            if w.oldest is not None:
+            if w.oldest is not None and (now is None or w.current(now)):
                 window_deltas.append(reading_delta(w.newest, w.oldest))
     recent, total = sum_deltas(window_deltas), sum_deltas(totals)
     running = [r.running for r in rows if r.running is not None]
@@ -458,7 +472,7 @@ class FleetView:
             for inst in instances
         ]
         windows = [self.windows[i.id] for i in instances if i.id in self.windows]
-        totals = fleet_stats(windows, rows, loads, self.decisions)
+        totals = fleet_stats(windows, rows, loads, self.decisions, now=now)
         rule = DecisionRule.from_config(config) if config else None
         routable = sum(1 for i in instances if i.routable)
         return FleetSnapshot(

@@ -6,7 +6,7 @@ import math
 
 import pytest
 
-from control_plane.fleet_view import Window, fleet_stats
+from control_plane.fleet_view import Scrape, Window, fleet_stats, instance_stats
 from control_plane.loads_view import LoadsReading
 from control_plane.vllm_metrics import (
     MetricsFormatError,
@@ -19,6 +19,7 @@ from control_plane.vllm_metrics import (
     reading_delta,
     sum_deltas,
 )
+from prefix_router.core.fleet import Instance
 
 INF = math.inf
 
@@ -292,3 +293,32 @@ def test_predicted_affinity_over_the_window(
     assert stats.predicted_affinity_cumulative == (
         home / (home + spilled) if home + spilled else None
     )
+
+
+def test_an_instance_no_longer_read_reports_no_last_minute() -> None:
+    """A window an instance that stopped answering left behind is not its last minute any
+    more: its hit rate and TTFT are unknown (left out), and the fleet's last minute is the
+    instances still read; the cumulative figures keep everything ever read."""
+    instance = Instance("10.0.0.1", 8000)
+    live_reading = VllmReading(1000, 900, ((1.0, 2.0), (INF, 2.0)))
+    dead: Window[VllmReading] = Window(60.0)
+    dead.add(0.0, VllmReading(0, 0, ((1.0, 0.0), (INF, 0.0))))
+    dead.add(2.0, live_reading)
+    failed = Scrape(at=3600.0, reading=None, error="connection refused")
+    row = instance_stats(
+        instance,
+        removing=False,
+        ring_share=1.0,
+        in_flight=0,
+        scrape=failed,
+        window=dead,
+        now=3600.0,
+    )
+    assert (row.up, row.hit_rate, row.ttft_p50_s, row.ttft_p99_s) == (False, None, None, None)
+    assert row.hit_rate_cumulative == pytest.approx(0.9)
+    same_row = instance_stats(
+        instance, removing=False, ring_share=1, in_flight=0, scrape=failed, window=dead, now=30
+    )
+    assert same_row.hit_rate == pytest.approx(0.9)  # still within the minute: still its own
+    fleet = fleet_stats([dead], [row], LoadsReading(), Window(60.0), now=3600.0)
+    assert fleet.hit_rate is None and fleet.hit_rate_cumulative == pytest.approx(0.9)
