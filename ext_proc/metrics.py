@@ -7,6 +7,7 @@ share so a replica that leaks counts stands out.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 from collections.abc import Callable, Iterator
 
@@ -33,7 +34,13 @@ DECISION_BUCKETS = (
     0.05,
     0.1,
     0.25,
+    0.4,
+    0.5,
+    0.75,
+    1.0,
 )
+"""Up to Envoy's ext_proc message timeout (500 ms) and past it: a decision may wait for
+the shared store up to 400 ms (``ext_proc.router.STORE_WAIT_CAP_S``)."""
 
 
 class PrometheusCallbacks(RouterCallbacks):
@@ -74,6 +81,12 @@ class PrometheusCallbacks(RouterCallbacks):
             "prefix_router_ext_proc_in_flight",
             "Requests this replica routed that have not ended, by instance.",
             ["instance_id"],
+            registry=self.registry,
+        )
+        self.release_failures = Counter(
+            "prefix_router_ext_proc_release_failures",
+            "Routed requests whose end could not be recorded (their in-flight count given "
+            "back, then their blocks written): the request itself was not affected.",
             registry=self.registry,
         )
         self.open_streams = Gauge(
@@ -122,6 +135,9 @@ class PrometheusCallbacks(RouterCallbacks):
         self._errors = self.decisions.labels("error")
         self._fallen_back = {r: self.fallbacks.labels(r.value) for r in Fallback}
         self._in_flight_of: dict[str, Gauge] = {}
+        self._in_flight_count: dict[str, int] = {}
+        self._routed_over: frozenset[str] | None = None
+        """The current table's instances (None: no table seen yet)."""
         self._pool_of: dict[str, Counter] = {}
 
     def watch_store(self, counts: Callable[[], tuple[int, int]]) -> None:
@@ -157,9 +173,30 @@ class PrometheusCallbacks(RouterCallbacks):
 
     def on_reserved(self, instance_id: str) -> None:
         self._in_flight(instance_id).inc()
+        self._in_flight_count[instance_id] = self._in_flight_count.get(instance_id, 0) + 1
 
     def on_finished(self, instance_id: str) -> None:
         self._in_flight(instance_id).dec()
+        left = self._in_flight_count[instance_id] = self._in_flight_count.get(instance_id, 1) - 1
+        if left <= 0 and self._routed_over is not None and instance_id not in self._routed_over:
+            self._forget(instance_id)
+
+    def on_table(self, instance_ids: tuple[str, ...]) -> None:
+        """An instance gone from the table keeps its series only while requests it took
+        are still running: a fleet that changes over weeks must not grow them for good."""
+        self._routed_over = frozenset(instance_ids)
+        for instance_id in list(self._in_flight_of):
+            if instance_id not in self._routed_over and not self._in_flight_count.get(instance_id):
+                self._forget(instance_id)
+
+    def _forget(self, instance_id: str) -> None:
+        self._in_flight_of.pop(instance_id, None)
+        self._in_flight_count.pop(instance_id, None)
+        with contextlib.suppress(KeyError):
+            self.in_flight.remove(instance_id)
+
+    def on_release_failed(self, error: BaseException) -> None:
+        self.release_failures.inc()
 
     def on_fallback(self, reason: Fallback) -> None:
         self._fallen_back[reason].inc()

@@ -65,6 +65,12 @@ class RouterCallbacks:
     def on_error(self, error: BaseException) -> None:
         """Routing failed with an unexpected error; the request went on unrouted."""
 
+    def on_release_failed(self, error: BaseException) -> None:
+        """Giving a routed request's count back, or writing its blocks, failed."""
+
+    def on_table(self, instance_ids: tuple[str, ...]) -> None:
+        """New requests are routed over these instances from now on."""
+
     def on_stream_end(self, reset: bool) -> None:
         """An ext_proc stream ended: closed by Envoy's half-close, or ``reset``."""
 
@@ -136,6 +142,7 @@ class RequestRouter:
     def use(self, table: RoutingTable) -> None:
         """Route new requests with ``table``; requests in flight keep theirs."""
         self.table = table
+        self.callbacks.on_table(table.ids)
 
     async def route(
         self,
@@ -275,6 +282,6 @@ class RequestRouter:
             try:  # the stores give the count back first, then write the index
                 result.store.release(result.reserved, result.prefill_end, result.key.blocks)
             except Exception as exc:  # noqa: BLE001 - a request's end must not fail its stream
-                self.callbacks.on_error(exc)
+                self.callbacks.on_release_failed(exc)
                 log.exception("releasing a request failed")
             self.callbacks.on_finished(result.reserved)

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 
 import pytest
 
+from ext_proc.metrics import PrometheusCallbacks
 from ext_proc.router import (
     STORE_BACKOFF_S,
     STORE_WAIT_CAP_S,
@@ -65,9 +66,13 @@ class ReleaseFailsStore(InProcessStore):
 class Errors(RouterCallbacks):
     def __init__(self) -> None:
         self.seen: list[BaseException] = []
+        self.release_failures: list[BaseException] = []
 
     def on_error(self, error: BaseException) -> None:
         self.seen.append(error)
+
+    def on_release_failed(self, error: BaseException) -> None:
+        self.release_failures.append(error)
 
 
 class Clock:
@@ -140,15 +145,16 @@ async def test_a_store_that_holds_its_state_decides_at_once() -> None:
 
 async def test_a_request_ends_with_its_blocks_and_a_failed_release_fails_nothing() -> None:
     """``finish`` hands the store the request's blocks (the instance used them until now);
-    a store that fails after giving the count back is counted as an error, not raised
-    into the stream's end."""
+    a store that fails after giving the count back is counted as a failed release (not
+    as a second decision, an error), not raised into the stream's end."""
     store, errors = ReleaseFailsStore(), Errors()
     router = RequestRouter(TABLE, store, errors)
     result = await router.route(body("q0"), path=PATH, tenant="")
     router.finish(result)
     assert store.released == [(result.decision.instance_id, result.key.blocks)]
     assert len(result.key.blocks) > 1 and await store.in_flight() == {}
-    assert [str(e) for e in errors.seen] == ["index write failed"]
+    assert [str(e) for e in errors.release_failures] == ["index write failed"]
+    assert errors.seen == []
 
 
 @pytest.mark.parametrize(
@@ -181,3 +187,29 @@ async def test_the_back_off_runs_from_the_failure_not_from_the_request() -> None
     failed_at = started + 0.2  # at the earliest
     assert result.decision.outcome is Outcome.RING_ONLY
     assert router._store_down_until >= failed_at + STORE_BACKOFF_S
+
+
+def test_an_instance_gone_from_the_table_keeps_its_series_only_while_it_has_requests() -> None:
+    """ext_proc's in-flight gauge by instance: one that left the fleet is dropped once its
+    last request ends, so a fleet that changes for weeks does not grow its series."""
+    callbacks = PrometheusCallbacks()
+
+    def series() -> dict[str, float]:
+        return {
+            s.labels["instance_id"]: s.value
+            for m in callbacks.registry.collect()
+            if m.name == "prefix_router_ext_proc_in_flight"
+            for s in m.samples
+        }
+
+    callbacks.on_table(("a:1", "b:1"))
+    callbacks.on_reserved("a:1")
+    callbacks.on_reserved("b:1")
+    callbacks.on_finished("b:1")
+    callbacks.on_table(("c:1",))  # a and b left: b is idle, a still has a request
+    assert series() == {"a:1": 1.0}
+    callbacks.on_finished("a:1")
+    assert series() == {}
+    callbacks.on_reserved("c:1")
+    callbacks.on_finished("c:1")
+    assert series() == {"c:1": 0.0}  # in the table: kept at 0
