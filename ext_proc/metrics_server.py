@@ -10,7 +10,9 @@ with two bounds:
 
 * at most ``max_connections`` connections at once; one more is closed as it is accepted
   (counted by ``on_refused``, logged at most once a minute);
-* a connection that sends nothing for ``timeout_s`` is closed.
+* a connection is closed ``timeout_s`` after it was accepted, whatever it sends: a
+  request trickled a byte every few seconds (each read within its own timeout) would
+  otherwise hold its slot for good, and eight of them every scrape.
 
 A scrape takes a few milliseconds, so the defaults (8 connections, 5 s) refuse nothing a
 Prometheus server does.
@@ -18,6 +20,7 @@ Prometheus server does.
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import socket
 import threading
@@ -34,7 +37,7 @@ log = logging.getLogger("prefix_router.ext_proc")
 MAX_CONNECTIONS = 8
 """Metrics connections served at once."""
 TIMEOUT_S = 5.0
-"""Seconds a metrics connection may stay silent."""
+"""Seconds a metrics connection may last (and stay silent)."""
 LOG_INTERVAL_S = 60.0
 """Refused connections are logged at most this often."""
 
@@ -48,6 +51,7 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
     daemon_threads = True
     request_queue_size = 128  # the listen backlog (5 by default): a burst is closed, not stalled
     slots: threading.BoundedSemaphore
+    deadlines: _Deadlines
     max_connections: int
     timeout_s: float
     on_refused: Callable[[], None] | None
@@ -66,9 +70,11 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
             raise
 
     def process_request_thread(self, request: Any, client_address: Any) -> None:
+        self.deadlines.watch(request, time.monotonic() + self.timeout_s)
         try:
             super().process_request_thread(request, client_address)
         finally:
+            self.deadlines.forget(request)
             self.slots.release()
 
     def _refused(self, client_address: Any) -> None:
@@ -87,6 +93,37 @@ class _BoundedServer(ThreadingMixIn, WSGIServer):
     def handle_error(self, request: Any, client_address: Any) -> None:
         # A peer that went silent (socket.timeout) or away: nothing to report.
         log.debug("metrics connection from %s ended with an error", client_address, exc_info=True)
+
+
+class _Deadlines:
+    """One thread for every connection's deadline: when it passes, the connection is shut
+    down, and its thread's read or write ends at once."""
+
+    def __init__(self) -> None:
+        self._due: dict[socket.socket, float] = {}
+        self._changed = threading.Condition()
+        threading.Thread(target=self._run, name="metrics-deadlines", daemon=True).start()
+
+    def watch(self, sock: socket.socket, deadline: float) -> None:
+        with self._changed:
+            self._due[sock] = deadline
+            self._changed.notify()
+
+    def forget(self, sock: socket.socket) -> None:
+        with self._changed:
+            self._due.pop(sock, None)
+
+    def _run(self) -> None:
+        while True:
+            with self._changed:
+                now = time.monotonic()
+                late = [s for s, due in self._due.items() if due <= now]
+                for sock in late:
+                    del self._due[sock]
+                    with contextlib.suppress(OSError):
+                        sock.shutdown(socket.SHUT_RDWR)
+                wait = min(self._due.values(), default=now + 60) - now
+                self._changed.wait(max(wait, 0.01))
 
 
 def serve_metrics(
@@ -108,6 +145,7 @@ def serve_metrics(
     )
     assert isinstance(server, _BoundedServer)
     server.slots = threading.BoundedSemaphore(max_connections)
+    server.deadlines = _Deadlines()
     server.max_connections = max_connections
     server.timeout_s = timeout_s
     server.on_refused = on_refused

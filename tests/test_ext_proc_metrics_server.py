@@ -52,6 +52,13 @@ def scrape(port: int) -> str:
         return r.read().decode()
 
 
+def scrape_or_nothing(port: int) -> str:
+    try:
+        return scrape(port)
+    except OSError:  # refused while the slots are still taken
+        return ""
+
+
 def test_idle_connections_are_capped_then_timed_out_and_scrapes_resume() -> None:
     registry = CollectorRegistry()
     Counter("probe_total", "a metric to find", registry=registry).inc()
@@ -68,7 +75,8 @@ def test_idle_connections_are_capped_then_timed_out_and_scrapes_resume() -> None
             closed = [s for s in socks if closed_by_server(s, 0.2)]
             assert len(closed) == 6
             assert threading.active_count() <= threads_before + 4
-        assert "probe_total 1.0" in scrape(port)
+        # once the server has seen the idle ones go (each slot's thread ends), it serves
+        wait_until(lambda: "probe_total 1.0" in scrape_or_nothing(port), 10, "a scrape")
     finally:
         server.shutdown()
         server.server_close()
@@ -122,3 +130,36 @@ def test_idle_metrics_connections_do_not_take_ext_procs_descriptors(tmp_path: Pa
         wait_until(refusals_counted, 10, "the refusals counted")
     finally:
         proc.stop()
+
+
+def test_a_request_trickled_a_byte_at_a_time_is_cut_at_the_connections_deadline() -> None:
+    """Each byte within the read timeout, the request never complete: the connection is
+    closed ``timeout_s`` after it was accepted, so such peers cannot hold every slot."""
+    registry = CollectorRegistry()
+    Counter("probe_total", "a metric to find", registry=registry).inc()
+    port = free_port()
+    server = serve_metrics(port, "127.0.0.1", registry, max_connections=1, timeout_s=0.5)
+    stop = threading.Event()
+    try:
+        with socket.create_connection(("127.0.0.1", port)) as sock:
+
+            def trickle() -> None:
+                for byte in b"GET /metrics HTTP/1.1\r\nx-padding: " + b"a" * 500:
+                    if stop.wait(0.1):
+                        return
+                    try:
+                        sock.sendall(bytes([byte]))
+                    except OSError:
+                        return
+
+            dripping = threading.Thread(target=trickle)
+            dripping.start()
+            try:
+                assert closed_by_server(sock, WAIT_S)
+            finally:
+                stop.set()
+                dripping.join(5)
+        wait_until(lambda: "probe_total" in scrape_or_nothing(port), 10, "the slot free again")
+    finally:
+        server.shutdown()
+        server.server_close()
