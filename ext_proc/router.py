@@ -202,7 +202,7 @@ class RequestRouter:
         if pool is None:  # no instance serves it: answer without touching any
             decision = RouteDecision(Outcome.UNKNOWN_MODEL, None, None, None, pool=key.model or "")
             self.callbacks.on_decision(decision, time.perf_counter() - started, request_id)
-            answer = unknown_model_body(key.model or "", table.pools)
+            answer = unknown_model_body(key.model or "")
             return RouteResult(decision, key, None, answer=answer)
         if not pool.members:  # Envoy's cluster still decides (it may route in panic)
             decision = RouteDecision(

@@ -176,15 +176,30 @@ async def test_every_decision_stays_inside_the_pool_spill_included() -> None:
         router.finish(r)
 
 
-async def test_an_unknown_model_is_answered_with_the_served_models() -> None:
+async def test_an_unknown_model_is_answered_as_vllm_answers_it() -> None:
     router = RequestRouter(RoutingTable.build(TWO_MODELS, CONFIG), InProcessStore())
     result = await router.route(body("base-c", "hi"), path=PATH, tenant="")
     assert result.decision.outcome is Outcome.UNKNOWN_MODEL
     assert result.reserved is None and result.answer is not None
-    error = orjson.loads(result.answer)
-    assert error["type"] == "invalid_request_error" and error["model"] == "base-c"
-    assert error["served_models"] == ["a-sql", "base-a", "base-b"]
+    assert orjson.loads(result.answer) == {
+        "error": {
+            "message": "The model `base-c` does not exist.",
+            "type": "NotFoundError",
+            "param": "model",
+            "code": 404,
+        }
+    }
     assert await router.store.in_flight() == {}
+
+
+@pytest.mark.parametrize("model", ["", "  "])
+async def test_an_empty_model_name_goes_over_the_whole_fleet(model: str) -> None:
+    """vLLM serves its default model for an empty name: the router must not answer 404."""
+    router = RequestRouter(RoutingTable.build(TWO_MODELS, CONFIG), InProcessStore())
+    result = await router.route(body(model, "hi"), path=PATH, tenant="")
+    assert result.answer is None and result.decision.outcome is not Outcome.UNKNOWN_MODEL
+    assert result.decision.pool_header is None
+    router.finish(result)
 
 
 def test_a_new_instance_of_a_pool_takes_only_keys_of_that_pool() -> None:
@@ -278,8 +293,7 @@ def test_the_models_list_is_the_union_with_adapter_parents() -> None:
         ("base-a", None, "model"),
         ("base-b", None, "model"),
     ]
-    error = orjson.loads(unknown_model_body("x", ["b", "a"]))
-    assert error["served_models"] == ["a", "b"] and "`x`" in error["message"]
+    assert "`x`" in orjson.loads(unknown_model_body("x"))["error"]["message"]
 
 
 def test_model_names_must_fit_a_cluster_name_and_a_header() -> None:

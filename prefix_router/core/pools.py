@@ -128,19 +128,18 @@ def _scanned_model(body: bytes) -> str | None:
     return None
 
 
-def unknown_model_body(model: str, served: Iterable[str]) -> bytes:
-    """The 404 body vLLM's OpenAI server answers for a model it does not serve, with the
-    fleet's served models listed."""
-    names = sorted(served)
+def unknown_model_body(model: str) -> bytes:
+    """The 404 body vLLM's OpenAI server answers for a model it does not serve (its
+    current shape, OpenAI's: the error nested under ``"error"``). The fleet's models are
+    not listed: ``GET /v1/models`` lists them, as vLLM's does."""
     return orjson.dumps(
         {
-            "object": "error",
-            "message": f"The model `{model}` does not exist. Served models: {', '.join(names)}",
-            "type": "invalid_request_error",
-            "param": "model",
-            "code": "model_not_found",
-            "model": model,
-            "served_models": names,
+            "error": {
+                "message": f"The model `{model}` does not exist.",
+                "type": "NotFoundError",
+                "param": "model",
+                "code": 404,
+            }
         }
     )
 

@@ -203,8 +203,9 @@ class RoutingTable:
 
     def pool_for(self, model: str | None) -> Pool | None:
         """The pool of a request naming ``model``: the whole fleet when the fleet is not
-        pooled or the request names no model; None when no instance serves ``model``."""
-        if not self.pools or model is None:
+        pooled or the request names no model (an empty name too: vLLM serves its default
+        model for it); None when no instance serves ``model``."""
+        if not self.pools or model is None or not model.strip():
             return self.whole
         return self.pools.get(model) or self.catch_all
 
