@@ -156,3 +156,20 @@ def test_a_request_naming_no_model_still_goes_through(stack: XdsStack) -> None:
             content=json.dumps({"messages": [{"role": "user", "content": "hi"}]}),
         )
     assert answer.headers.get("x-sim-instance") in {str(p) for p in stack.backend_ports}
+
+
+def test_a_client_sent_pool_header_never_picks_the_cluster(stack: XdsStack) -> None:
+    """Envoy picks a request's route before any HTTP filter runs: a client's own
+    x-prefix-pool must be gone by then, or a request ext_proc leaves unpooled (here one
+    naming no model) would go to the cluster the client chose."""
+    base_b = members(stack, "base-b")
+    with httpx.Client(timeout=10) as client:
+        reached = {
+            client.post(
+                f"{stack.url}/v1/chat/completions",
+                content=json.dumps({"messages": [{"role": "user", "content": f"hi {n}"}]}),
+                headers={"x-prefix-pool": "models/base-b"},
+            ).headers.get("x-sim-instance")
+            for n in range(30)
+        }
+    assert reached - base_b, reached  # over the whole fleet, not only base-b's instances
