@@ -35,16 +35,18 @@ log = logging.getLogger("prefix_router.ext_proc")
 
 STORE_BACKOFF_S = 0.5
 STORE_WAIT_FACTOR = 10
-STORE_WAIT_CAP_S = 0.8 * DEFAULT_EXT_PROC_TIMEOUT_MS / 1000
-"""The longest a request waits on the shared store, whatever ``redis_timeout_ms``: past
-Envoy's ext_proc message timeout (500 ms) the request would go on unrouted, so the wait
-ends in time to decide on this replica's own state instead."""
+STORE_WAIT_SHARE = 0.8
+"""Of Envoy's ext_proc message timeout, what a request may spend waiting on the shared
+store: past the timeout the request would go on unrouted, so the wait ends in time to
+decide on this replica's own state instead."""
+STORE_WAIT_CAP_S = STORE_WAIT_SHARE * DEFAULT_EXT_PROC_TIMEOUT_MS / 1000
+"""The cap with Envoy's default message timeout (500 ms)."""
 
 
-def store_wait_s(redis_timeout_ms: float) -> float:
+def store_wait_s(redis_timeout_ms: float, cap_s: float = STORE_WAIT_CAP_S) -> float:
     """How long a request may wait for the shared store: ``STORE_WAIT_FACTOR`` round trips
-    (time queued behind a burst is not Redis being slow), within ``STORE_WAIT_CAP_S``."""
-    return min(STORE_WAIT_FACTOR * redis_timeout_ms / 1000, STORE_WAIT_CAP_S)
+    (time queued behind a burst is not Redis being slow), within ``cap_s``."""
+    return min(STORE_WAIT_FACTOR * redis_timeout_ms / 1000, cap_s)
 
 
 class RouterCallbacks:
@@ -124,12 +126,15 @@ class RequestRouter:
         store: RoutingStore | None,
         callbacks: RouterCallbacks | None = None,
         clock_scale: float = 1.0,
+        envoy_timeout_ms: float = DEFAULT_EXT_PROC_TIMEOUT_MS,
     ) -> None:
         """``store`` is the state shared with the other replicas; None: this replica
         routes alone, on its own state. ``clock_scale``: the instances' seconds per wall
         second (1 for vLLM; a simulator's time scale), so modelled queues drain at the
-        speed the instances work."""
+        speed the instances work. ``envoy_timeout_ms``: Envoy's ext_proc message timeout,
+        which bounds a request's wait on the shared store (:data:`STORE_WAIT_SHARE`)."""
         self.table = table
+        self.store_wait_cap_s = STORE_WAIT_SHARE * envoy_timeout_ms / 1000
         self.local = InProcessStore(scaled_clock(clock_scale))
         """This replica's own state: all of it when alone, else decided on while the
         shared store is unavailable."""
@@ -259,7 +264,8 @@ class RequestRouter:
         replica's own when that is unavailable (then ``degraded`` is True)."""
         if time.monotonic() >= self._store_down_until:
             try:
-                async with asyncio.timeout(store_wait_s(table.config.redis_timeout_ms)):
+                wait = store_wait_s(table.config.redis_timeout_ms, self.store_wait_cap_s)
+                async with asyncio.timeout(wait):
                     routed = await self.store.route(key, table, request_id)
                 self._store_answers()
                 return routed, self.store, False

@@ -29,6 +29,7 @@ from ext_proc.state_follower import follow_state
 from prefix_router.core.config import RouterConfig, load_config_file
 from prefix_router.core.fleet import Fleet, Instance, check_ring_keys
 from prefix_router.core.table import RoutingTable
+from prefix_router.envoy.bootstrap import DEFAULT_EXT_PROC_TIMEOUT_MS
 from prefix_router.logs import setup_logging
 from prefix_router.state.clock import CLOCK_SCALE_HELP, parse_clock_scale
 from prefix_router.state.redis_url import resolve_redis_url
@@ -162,6 +163,13 @@ def _parser() -> argparse.ArgumentParser:
         default=1.0,
         help=CLOCK_SCALE_HELP,
     )
+    p.add_argument(
+        "--envoy-timeout-ms",
+        type=float,
+        default=DEFAULT_EXT_PROC_TIMEOUT_MS,
+        help="Envoy's ext_proc message timeout (the bootstrap's --ext-proc-timeout-ms): a "
+        "request waits on Redis at most 80%% of it, then is decided on this replica's state",
+    )
     p.add_argument("--log-level", default="INFO")
     add_flags(p)
     return p
@@ -196,7 +204,11 @@ def main(argv: Sequence[str] | None = None) -> int:
                 on_refused=callbacks.metrics_refused.inc,
             )
         router = RequestRouter(
-            RoutingTable.build(fleet, config), store, callbacks, clock_scale=args.clock_scale
+            RoutingTable.build(fleet, config),
+            store,
+            callbacks,
+            clock_scale=args.clock_scale,
+            envoy_timeout_ms=args.envoy_timeout_ms,
         )
         follower = None
         if args.redis_url and not args.backend:  # no static fleet: follow the control plane's

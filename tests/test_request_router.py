@@ -213,3 +213,22 @@ def test_an_instance_gone_from_the_table_keeps_its_series_only_while_it_has_requ
     callbacks.on_reserved("c:1")
     callbacks.on_finished("c:1")
     assert series() == {"c:1": 0.0}  # in the table: kept at 0
+
+
+class HangingStore(DownStore):
+    """A shared store that never answers."""
+
+    async def route(self, *args: object, **kwargs: object) -> Routed:
+        await asyncio.Event().wait()
+        raise AssertionError("never")
+
+
+async def test_the_wait_follows_the_envoy_timeout_it_is_given() -> None:
+    """With Envoy's message timeout set to 100 ms (--envoy-timeout-ms, as the bootstrap's
+    --ext-proc-timeout-ms), a request stops waiting on a store that does not answer at
+    80 ms and is decided on this replica's state, where the default cap waits 400 ms."""
+    router = RequestRouter(TABLE, HangingStore(), envoy_timeout_ms=100)
+    assert router.store_wait_cap_s == pytest.approx(0.08)
+    result = await asyncio.wait_for(router.route(body("hang"), path=PATH, tenant=""), 5)
+    assert result.decision.outcome is Outcome.RING_ONLY
+    assert RequestRouter(TABLE, HangingStore()).store_wait_cap_s == STORE_WAIT_CAP_S
