@@ -623,6 +623,8 @@ async def test_redis_counts_decisions_keeps_recent_spills_and_bounds_the_index(
         spilled = [r for n, r in enumerate(held) if r.decision.outcome is Outcome.SPILLED]
         assert [s["to"] for s in reversed(spills)] == [r.instance_id for r in spilled]
         assert all(s["time"] > 1.7e9 and s["request_id"].startswith("req-") for s in spills)
+        # the holder's in-flight count when each left it: at the bound, so at least 3
+        assert all(s["home_in_flight"] >= 3 for s in spills), spills
         for n in range(300):
             await route(store, doc(f"many {n}", 9000))
         assert await client.strlen(f"{namespace}index:12") <= SLOT_BYTES * 2**12

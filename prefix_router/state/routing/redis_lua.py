@@ -149,7 +149,8 @@ SYNC = """
 local a = cmsgpack.unpack(ARGV[1])
 local entry_bytes, slot_bytes, keep = a[1], a[2], a[3]
 local t = redis.call('TIME')
-local now = (tonumber(t[1]) + tonumber(t[2]) / 1e6) * (a[10] or 1)
+local wall = tonumber(t[1]) + tonumber(t[2]) / 1e6
+local now = wall * (a[10] or 1)
 local function pad(s, n)
   if #s < n then return s .. string.rep('\\0', n - #s) end
   return s
@@ -219,8 +220,10 @@ for _, admit in ipairs(a[6]) do
   redis.call('HINCRBYFLOAT', KEYS[6], id .. ':written', written)
   counted[outcome] = (counted[outcome] or 0) + 1
   if outcome == 'spilled' then
+    -- the wall clock's time (the page shows it), and the home's fleet-wide in flight
     redis.call('LPUSH', KEYS[4], cjson.encode({
-      time = now, home = home, to = id, request_id = request}))
+      time = wall, home = home, to = id, request_id = request,
+      home_in_flight = tonumber(redis.call('HGET', KEYS[1], home)) or 0}))
     redis.call('LTRIM', KEYS[4], 0, 99)
   end
 end
