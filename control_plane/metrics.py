@@ -250,7 +250,8 @@ class ControlPlaneCollector:
         )
         up = _family(
             "instance_scrape_up",
-            "1 if the instance's /metrics was read in the last round.",
+            "1 if the instance's /metrics was read in the last round, 0 if not; absent "
+            "before the first round (and with the fleet view off).",
             ["instance_id"],
         )
         queries = _family(
@@ -281,7 +282,8 @@ class ControlPlaneCollector:
         for row in snap.instances:
             labels = [row.id]
             share.add_metric(labels, row.ring_share)
-            up.add_metric(labels, 1.0 if row.up else 0.0)
+            if row.scrape_age_s is not None:  # not scraped (yet, or the fleet view is off)
+                up.add_metric(labels, 1.0 if row.up else 0.0)
             for family, value in (
                 (queries, row.prefix_cache_queries),
                 (hits, row.prefix_cache_hits),

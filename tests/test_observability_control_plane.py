@@ -388,3 +388,23 @@ def test_the_published_versions_are_read_from_every_form_of_version_info(
     """The alert on a config not yet published compares against these gauges: a fleet
     named by DNS must export them too."""
     assert split_version(version) == expected
+
+
+async def test_an_instance_not_scraped_yet_has_no_scrape_up_series(fleetside: Fleetside) -> None:
+    """With the fleet view off (--fleet-scrape-interval 0) nothing is ever scraped, and
+    before its first round nothing is yet: instance_scrape_up is absent then, not 0 (the
+    documented alert on it would fire for every instance)."""
+    collector = ControlPlaneCollector(fleetside.view, ClientRegistry(), lambda: None)
+
+    def up() -> dict[str, float]:
+        return {
+            s.labels["instance_id"]: s.value
+            for m in collector.collect()
+            if m.name == PREFIX + "instance_scrape_up"
+            for s in m.samples
+        }
+
+    await fleetside.view.refresh()
+    assert up() == {}
+    await fleetside.view.tick()
+    assert up()[A.id] == 1.0 and up()[fleetside.down.id] == 0.0
