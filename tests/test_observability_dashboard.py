@@ -32,7 +32,9 @@ def metric_names(text: str) -> list[str]:
 def ext_proc_metrics() -> dict[str, str]:
     """Exposed name (counters with ``_total``) -> type, from a live registry."""
     names = {}
-    for family in PrometheusCallbacks().registry.collect():
+    callbacks = PrometheusCallbacks()
+    callbacks.watch_store(lambda: (0, 0))  # registered when ext_proc runs with Redis
+    for family in callbacks.registry.collect():
         suffix = "_total" if family.type == "counter" else ""
         names[family.name + suffix] = family.type
     return names
@@ -100,10 +102,14 @@ def test_every_dashboard_query_names_an_exported_metric() -> None:
         (("ttft", "p50"), {"prefix_router_control_plane_fleet_time_to_first_token_seconds"}),
         (("decisions", "outcome"), {"prefix_router_ext_proc_decisions_total"}),
         (
-            ("in flight", "concurrencythreshold"),
+            ("in flight", "spill limit"),
+            {"prefix_router_control_plane_in_flight", "prefix_router_control_plane_spill_limit"},
+        ),
+        (
+            # the threshold bounds requests waiting for their first token, not in flight
+            ("waiting", "concurrencythreshold"),
             {
-                "prefix_router_control_plane_in_flight",
-                "prefix_router_control_plane_spill_limit",
+                "prefix_router_control_plane_requests_waiting",
                 "prefix_router_control_plane_concurrency_threshold",
             },
         ),
