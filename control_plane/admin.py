@@ -29,7 +29,7 @@ from pydantic import BaseModel, ConfigDict, Field, ValidationError, field_valida
 from control_plane.body_limit import BodyLimit
 from control_plane.service import AdminService, InstanceExists, InstanceNotFound
 from prefix_router.core.errors import ConfigError, FleetError
-from prefix_router.core.fleet import Instance, InstanceState
+from prefix_router.core.fleet import Instance, InstanceState, canonical_address
 from prefix_router.state.store import ConfigRecord, StateError
 
 
@@ -45,7 +45,7 @@ class InstanceIn(BaseModel):
 
     def to_instance(self) -> Instance:
         return Instance(
-            address=self.address,
+            address=canonical_address(self.address),
             port=self.port,
             weight=self.weight,
             models=tuple(self.models),

@@ -27,7 +27,7 @@ from control_plane.metrics import ControlPlaneCollector, render
 from control_plane.models import pools_doc
 from prefix_router.core.config import RouterConfig, parse_config
 from prefix_router.core.errors import FleetError
-from prefix_router.core.fleet import Fleet, Instance, InstanceState, check_ring_keys
+from prefix_router.core.fleet import Fleet, Instance, InstanceState
 from prefix_router.state.store import ConfigRecord, FleetRecord, StateError, StateStore
 
 UPDATABLE = frozenset({"weight", "models", "hash_key", "state"})
@@ -46,11 +46,20 @@ class RingKeyTaken(InstanceExists):
 
 
 def _ring_key_free(record: FleetRecord, instance: Instance) -> None:
-    others = [i for i in record.fleet.instances if i.id != instance.id]
-    try:
-        check_ring_keys([*others, instance])
-    except FleetError as exc:
-        raise RingKeyTaken(str(exc)) from None
+    """``instance``'s ring key is no other active instance's (a collision between two
+    others, written before this check, blocks nothing unrelated)."""
+    if instance.state is not InstanceState.ACTIVE:
+        return
+    for other in record.fleet.instances:
+        if (
+            other.id != instance.id
+            and other.state is InstanceState.ACTIVE
+            and other.ring_key == instance.ring_key
+        ):
+            raise RingKeyTaken(
+                f"instances {other.id!r} and {instance.id!r} would have the same ring key "
+                f"{instance.ring_key!r}: give each its own hash_key"
+            )
 
 
 def _fleet_audit(

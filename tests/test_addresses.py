@@ -14,7 +14,13 @@ from control_plane.publisher import Publisher, keep_names_resolved
 from control_plane.snapshot import CLUSTER_TYPE, ENDPOINT_TYPE, Snapshot, build_snapshot
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.errors import FleetError
-from prefix_router.core.fleet import Fleet, Instance, check_address
+from prefix_router.core.fleet import (
+    Fleet,
+    Instance,
+    canonical_address,
+    check_address,
+    fleet_from_file,
+)
 from prefix_router.envoy.addresses import is_ip_literal, names_in, publishable, resolve, resolve_now
 from tests.support.wait import async_wait_until
 
@@ -118,7 +124,8 @@ async def test_the_publisher_resolves_a_new_name_at_once_and_republishes() -> No
     ["10.0.0.7", "fd00::7", "vllm-0.vllm.ns.svc", "vllm-0.vllm.ns.svc.", "localhost", "vllm_1"],
 )
 def test_an_instance_address_is_an_ip_or_a_host_name(address: str) -> None:
-    assert check_address(address) == address
+    check_address(address)
+    assert canonical_address(address) == address
 
 
 @pytest.mark.parametrize(
@@ -126,14 +133,26 @@ def test_an_instance_address_is_an_ip_or_a_host_name(address: str) -> None:
     [
         ("FD00:0::7", "fd00::7"),
         ("fd00:0000:0000:0000:0000:0000:0000:0007", "fd00::7"),
+        ("::ffff:10.0.0.7", "::ffff:10.0.0.7"),  # Python and Envoy print these differently
+        ("::10.0.0.7", "::10.0.0.7"),
     ],
 )
-def test_an_ip_is_kept_as_envoy_writes_it(given: str, canonical: str) -> None:
+def test_an_ip_is_written_as_envoy_writes_it(given: str, canonical: str) -> None:
     """Envoy hashes an IP instance's ring entries as its own canonical ``[ip]:port``:
-    an address kept as typed would put ext_proc's mirror of that instance elsewhere."""
-    instance = Instance(given, 8000)
-    assert (instance.address, instance.id) == (canonical, f"[{canonical}]:8000")
+    an address kept as typed would put ext_proc's mirror of that instance elsewhere. Where
+    a fleet is written (a backend URL, a fleet file, the admin API) it is canonical."""
+    assert canonical_address(given) == canonical
     assert Instance.from_url(f"http://[{given}]:8000").id == f"[{canonical}]:8000"
+    assert fleet_from_file([{"address": given, "port": 8000}]).instances[0].address == canonical
+
+
+def test_an_instance_read_back_from_redis_keeps_what_was_written() -> None:
+    """What an older version wrote is read as it is: its id is what Redis, Envoy and the
+    in-flight counts know, and a loosely typed field does not make the fleet unreadable."""
+    old = {"address": "FD00:0::7", "port": 8000, "hash_key": 7, "models": "llama"}
+    instance = Instance.from_json_dict(old)
+    assert instance.id == "[FD00:0::7]:8000"
+    assert (instance.hash_key, instance.models) == ("7", ("llama",))
 
 
 @pytest.mark.parametrize(

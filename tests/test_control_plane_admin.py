@@ -17,7 +17,7 @@ from control_plane.service import AdminService
 from prefix_router.core.config import HealthCheckConfig, RouterConfig
 from prefix_router.core.errors import StartupError
 from prefix_router.core.fleet import Fleet, Instance, InstanceState
-from prefix_router.state.store import StateStore
+from prefix_router.state.store import FleetRecord, StateStore
 from tests.support.redis_ns import fresh_store
 
 TOKEN = "s3cret"
@@ -284,3 +284,28 @@ async def test_a_successor_takes_the_ring_key_of_an_instance_draining_away(admin
     assert (await c.post("/instances", json=new)).status_code == 201
     back = await c.patch("/instances/10.0.12.7:8000", json={"state": "active"})
     assert back.status_code == 409 and "same ring key" in back.json()["detail"]
+
+
+async def test_an_ip_added_through_the_api_is_written_as_envoy_writes_it(admin: Admin) -> None:
+    r = await admin.client.post("/instances", json={"address": "FD00:0::7", "port": 8000})
+    assert r.status_code == 201 and r.json()["instance"]["id"] == "[fd00::7]:8000"
+
+
+async def test_a_collision_written_before_the_check_blocks_nothing_unrelated(
+    admin: Admin,
+) -> None:
+    """Two active instances sharing a hash_key (written before ring keys were checked):
+    adding another instance, or draining and re-activating an unrelated one, still works;
+    only a change that would make a collision of its own is refused."""
+
+    def collide(record: FleetRecord) -> FleetRecord:
+        twins = [Instance("10.0.0.1", 80, hash_key="dup"), Instance("10.0.0.2", 80, hash_key="dup")]
+        return FleetRecord(Fleet.of([*record.fleet.instances, *twins]), record.removing)
+
+    await admin.store.update_fleet(collide)
+    c = admin.client
+    assert (await c.post("/instances", json={"address": "10.0.0.3", "port": 80})).status_code == 201
+    assert (await c.post(f"/instances/{A.id}/drain")).status_code == 202
+    assert (await c.patch(f"/instances/{A.id}", json={"state": "active"})).status_code == 200
+    taken = await c.post("/instances", json={"address": "10.0.0.4", "port": 80, "hash_key": "dup"})
+    assert taken.status_code == 409

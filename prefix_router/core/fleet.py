@@ -54,26 +54,43 @@ _LABEL = re.compile(r"[A-Za-z0-9_]([A-Za-z0-9_-]{0,61}[A-Za-z0-9_])?")
 """One DNS label as hosts are named (RFC 1123; ``_`` too, as Docker names containers)."""
 
 
-def check_address(address: str) -> str:
+def _is_ip_literal(address: str) -> bool:
+    return ":" in address or all(part.isdigit() for part in address.split("."))
+
+
+def canonical_address(address: str) -> str:
+    """The address as Envoy writes it, where a fleet is written (the admin API, a fleet
+    file, ``--backend``): Envoy hashes an IP instance's ring entries as ``ip:port`` in its
+    own form, and ext_proc's mirror must hash the same text, so an IPv6 address is
+    compressed and lower-cased (``FD00:0::7`` -> ``fd00::7``). One with an IPv4 address
+    inside (``::ffff:10.0.0.7``) is left as given: Python and Envoy print those differently
+    (Python 3.11 ``::ffff:a00:7``). A name is left as given. Instances read back from
+    Redis are not rewritten: their ids are what Redis, Envoy and the counts know."""
+    check_address(address)
+    if ":" not in address:
+        return address
+    ip = ipaddress.IPv6Address(address)
+    if ip.ipv4_mapped is not None or (int(ip) >> 32 == 0 and int(ip) > 1):
+        return address
+    return ip.compressed
+
+
+def check_address(address: str) -> None:
     """An instance's address is an IP literal or a host name Envoy and the prober can
     use: ``10.0.0.7``, ``fd00::7``, ``vllm-0.vllm.ns.svc``. Anything else would be taken
-    by the admin API and then fail every health probe, scrape and DNS lookup of it.
-
-    Returns the address as Envoy writes it: an IP in its canonical form (``FD00:0::7`` ->
-    ``fd00::7``), since Envoy hashes ``ip:port`` for an IP instance's ring entries and
-    ext_proc's mirror must hash the same text; a name as given."""
-    if ":" in address or all(part.isdigit() for part in address.split(".")):
+    by the admin API and then fail every health probe, scrape and DNS lookup of it."""
+    if _is_ip_literal(address):
         try:
-            return ipaddress.ip_address(address).compressed
+            ipaddress.ip_address(address)
         except ValueError:
             raise FleetError(f"instance address {address!r} is not a valid IP address") from None
+        return
     name = address[:-1] if address.endswith(".") else address
     if len(name) > 253 or not all(_LABEL.fullmatch(label) for label in name.split(".")):
         raise FleetError(
             f"instance address {address!r} is neither an IP address nor a host name "
             "(dot-separated labels of 1..63 letters, digits, '-' or '_', 253 characters at most)"
         )
-    return address
 
 
 class InstanceState(StrEnum):
@@ -104,9 +121,7 @@ class Instance:
             raise FleetError("instance address must not be empty")
         if not isinstance(self.address, str):
             raise FleetError(f"instance address {self.address!r} must be a string")
-        canonical = check_address(self.address)
-        if canonical != self.address:
-            object.__setattr__(self, "address", canonical)
+        check_address(self.address)
         if not 0 < self.port < 65536:
             raise FleetError(f"instance port {self.port} out of range 1..65535")
         if not 1 <= self.weight <= 128:
@@ -172,16 +187,19 @@ class Instance:
 
     @classmethod
     def from_json_dict(cls, data: dict[str, Any]) -> Instance:
+        """An instance as Redis holds it. Read leniently: what an older version wrote
+        (a numeric ``hash_key``, ``models`` a single name, from a fleet file read loosely)
+        must not make the whole fleet unreadable, and with it the admin API that would
+        repair it; the strict checks are where a fleet is written."""
         models = data.get("models") or ()
-        if isinstance(models, str):
-            raise FleetError(f"models must be a list of names, not the string {models!r}")
+        hash_key = data.get("hash_key")
         return cls(
             address=str(data["address"]),
             port=int(data["port"]),
             weight=int(data.get("weight", 1)),
-            models=tuple(models),
+            models=(models,) if isinstance(models, str) else tuple(str(m) for m in models),
             state=InstanceState(data.get("state", "active")),
-            hash_key=data.get("hash_key"),
+            hash_key=None if hash_key is None else str(hash_key),
             healthy=bool(data.get("healthy", True)),
             draining_since=data.get("draining_since"),
             discovered=tuple(ServedModel.from_json_dict(m) for m in data.get("discovered") or ()),
@@ -210,7 +228,11 @@ class Instance:
         weight = int(fields[1]) if len(fields) > 1 and fields[1] else 1
         hash_key = fields[2] if len(fields) > 2 and fields[2] else None
         return cls(
-            address=host, port=int(fields[0]), weight=weight, hash_key=hash_key, models=models
+            address=canonical_address(host),
+            port=int(fields[0]),
+            weight=weight,
+            hash_key=hash_key,
+            models=models,
         )
 
     def to_url(self) -> str:
@@ -268,7 +290,7 @@ def instance_from_file(entry: Any) -> Instance:
     if not isinstance(address, str):
         raise FleetError(f"address must be a string, not {address!r}")
     return Instance(
-        address=address,
+        address=canonical_address(address),
         port=_whole_number(entry["port"], "port"),
         weight=_whole_number(entry.get("weight", 1), "weight"),
         models=tuple(models),
