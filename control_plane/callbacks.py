@@ -98,6 +98,10 @@ class ClientRegistry(Callbacks):
         client.last_seen = self.clock()
         return client
 
+    def forget_gone(self) -> None:
+        """Drop the clients gone past :data:`FORGET_AFTER_S`, beyond :data:`MAX_GONE`."""
+        self._forget_gone()
+
     def _forget_gone(self) -> None:
         gone = sorted(
             (c for c in self.clients.values() if not c.streams), key=lambda c: c.last_seen

@@ -80,6 +80,8 @@ class HeadTimeoutH11Protocol(H11Protocol):
         self._answered = 0
         self._body_deadline: float | None = None
         self._body_timer: asyncio.TimerHandle | None = None
+        self._body_of: object = None
+        """The request (uvicorn's cycle) whose body the timer is for."""
         if len(self.connections) > self.max_connections and not self._make_room():
             transport.close()
             return
@@ -89,10 +91,14 @@ class HeadTimeoutH11Protocol(H11Protocol):
         super().data_received(data)
         state = self.conn.their_state
         if state is h11.IDLE:  # the head is not complete yet
+            self._stop_body_timer()  # the last body ended in this read (a new cycle began)
             self._head_started = True
             self._arm_head_deadline()
         elif state is h11.SEND_BODY:  # the head is in, the body is arriving
-            if self._body_timer is None:
+            if self._body_timer is None or self._body_of is not self.cycle:
+                # a body begun, or the next request's (the last one ended in this read)
+                self._stop_body_timer()
+                self._body_of = self.cycle
                 self._body_deadline = self.loop.time() + self.body_timeout_s
                 self._body_timer = self.loop.call_at(self._body_deadline, self._body_late)
         else:

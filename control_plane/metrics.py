@@ -138,6 +138,7 @@ class ControlPlaneCollector:
             ["node", "type"],
         )
         streams = _family("xds_streams", "Open ADS streams, by client.", ["node"])
+        self.clients.forget_gone()
         for client in self.clients.clients.values():
             for family, counts in (
                 (pushes, client.pushes),

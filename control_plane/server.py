@@ -61,7 +61,7 @@ from prefix_router.state.store import DEFAULT_NAMESPACE, StateStore, watch_state
 log = logging.getLogger("prefix_router.control_plane")
 
 TOKEN_ENV = "PREFIX_ROUTER_ADMIN_TOKEN"
-"""The variable vLLM itself reads its --api-key from."""
+"""The variable the admin API's bearer token is read from (else --token-file)."""
 DEFAULT_REDIS_URL = "redis://127.0.0.1:6379/0"
 ADS_SERVICE = "envoy.service.discovery.v3.AggregatedDiscoveryService"
 

@@ -49,6 +49,11 @@ def use_table(router: RequestRouter, table: RoutingTable) -> None:
     )
 
 
+REBUILD_AFTER_S = 1.0
+"""A table that failed to build is built again this long after (the watch, which sees
+the version applied, would not ask again until the next change)."""
+
+
 class TableBuilder:
     """Builds each wanted table in a thread, the newest wanted next, and swaps it in."""
 
@@ -69,14 +74,18 @@ class TableBuilder:
 
     async def _build(self) -> None:
         while self._wanted is not None:
-            fleet, config, version = self._wanted
+            wanted = self._wanted
             self._wanted = None
+            fleet, config, version = wanted
             try:
                 table = await asyncio.to_thread(
                     RoutingTable.build, fleet, config, config_version=version
                 )
             except Exception:  # the state is the control plane's, checked there: log it
                 log.exception("cannot build the routing table of fleet v%d", fleet.version)
+                if self._wanted is None:  # nothing newer wanted: try this one again
+                    self._wanted = wanted
+                    await asyncio.sleep(REBUILD_AFTER_S)
                 continue
             use_table(self.router, table)
 

@@ -299,3 +299,30 @@ async def test_past_the_cap_a_body_nobody_waits_for_is_evicted() -> None:
             await asyncio.gather(*dripping)
             for _, w in [*conns, (reader, writer)]:
                 w.close()
+
+
+async def test_the_next_requests_body_gets_a_deadline_of_its_own() -> None:
+    """A body that ends in the same read as the next request begins: the next request's
+    body is timed from its own head, not by the one before's deadline."""
+    before = BREACHES["next-body", "body_timeout"]
+    async with serving(name="next-body") as port:
+        reader, writer = await asyncio.open_connection("127.0.0.1", port)
+        try:
+            head = b"POST / HTTP/1.1\r\nhost: admin\r\ncontent-length: 10\r\n\r\n"
+            writer.write(head + b"abc")
+            await asyncio.sleep(BODY_TIMEOUT_S * 0.6)
+            writer.write(b"defghij" + head + b"ab")  # the first body's end, the next head
+            await asyncio.sleep(BODY_TIMEOUT_S * 0.7)  # past the first body's deadline
+            writer.write(b"cdefghij")  # within the second's
+            await writer.drain()
+            async with asyncio.timeout(5):
+                answers = b""
+                while answers.count(b"hello") < 2:
+                    chunk = await reader.read(4096)
+                    assert chunk, answers
+                    answers += chunk
+            await asyncio.sleep(0.1)
+            assert not reader.at_eof()
+        finally:
+            writer.close()
+    assert BREACHES["next-body", "body_timeout"] == before

@@ -7,6 +7,7 @@ import threading
 
 import pytest
 
+from ext_proc import state_follower
 from ext_proc.router import RequestRouter
 from ext_proc.state_follower import TableBuilder, apply_state
 from prefix_router.core.config import RouterConfig
@@ -59,3 +60,23 @@ async def test_tables_are_built_off_the_loop_and_the_newest_wanted_wins(
     release.set()
     await builder.settled()
     assert (router.table.fleet_version, router.table.config_version) == (4, 2)
+
+
+async def test_a_table_that_failed_to_build_is_built_again(monkeypatch: pytest.MonkeyPatch) -> None:
+    """The watch takes a state as applied once handed over; a build that fails (once) is
+    tried again, instead of the old table routing until the next change."""
+    router = RequestRouter(RoutingTable.build(FLEET, RouterConfig()), InProcessStore())
+    real_build = RoutingTable.build
+    failures = [MemoryError("once")]
+
+    def flaky_build(fleet: Fleet, config: RouterConfig, *, config_version: int = 0) -> RoutingTable:
+        if failures:
+            raise failures.pop()
+        return real_build(fleet, config, config_version=config_version)
+
+    monkeypatch.setattr(RoutingTable, "build", flaky_build)
+    monkeypatch.setattr(state_follower, "REBUILD_AFTER_S", 0.01)
+    builder = TableBuilder(router)
+    builder.want(Fleet.of(list(FLEET.instances), version=2), RouterConfig(), 1)
+    await asyncio.wait_for(builder.settled(), 10)
+    assert router.table.fleet_version == 2 and not failures

@@ -829,3 +829,38 @@ async def test_calls_past_the_process_cap_are_refused_and_the_count_given_back()
         first[1].close()
     finally:
         await server.stop(grace=0.5)
+
+
+async def test_after_a_backlog_the_held_messages_are_answered_only_while_there_is_room() -> None:
+    """The peer opens its window a little: the server answers held messages until its
+    answers are over max_queued_output again, and holds the rest, not all of them at once."""
+    answered: list[int] = []
+
+    class Counting(Echo):
+        def on_message(self, message: bytes) -> Answer:
+            answered.append(len(message))
+            return message
+
+    server = GrpcServer({ECHO: lambda: Counting(Ends())}, PeerLimits(max_queued_output=16_000))
+    await server.start("127.0.0.1", 0)
+    try:
+        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+        initial_window_0 = b"\x00\x04" + (0).to_bytes(4, "big")
+        writer.write(PREFACE + encode_frame(4, 0, 0, initial_window_0) + encode_frame(4, 1, 0))
+        writer.write(encode_frame(1, 0x4, 1, grpc_request(ECHO.encode())))
+        for _ in range(100):
+            writer.write(encode_frame(0, 0, 1, frame_message(b"q" * 1000)))
+        await writer.drain()
+        await eventually(lambda: len(answered) > 0)
+        await asyncio.sleep(0.2)  # the backlog formed: the rest are held
+        held_at = len(answered)
+        assert held_at < 100
+        writer.write(encode_frame(8, 0, 1, (20_000).to_bytes(4, "big")))  # a little room
+        writer.write(encode_frame(8, 0, 0, (20_000).to_bytes(4, "big")))
+        await writer.drain()
+        await eventually(lambda: len(answered) > held_at)
+        await asyncio.sleep(0.2)
+        assert len(answered) < 100, len(answered)  # not every held message at once
+        writer.close()
+    finally:
+        await server.stop(grace=0.5)

@@ -408,3 +408,26 @@ async def test_an_instance_not_scraped_yet_has_no_scrape_up_series(fleetside: Fl
     assert up() == {}
     await fleetside.view.tick()
     assert up()[A.id] == 1.0 and up()[fleetside.down.id] == 0.0
+
+
+async def test_the_metrics_forget_xds_clients_gone_a_while(fleetside: Fleetside) -> None:
+    """A gone client's per-node series end with it, also when no stream closes and no one
+    reads /status after it went (the collector itself forgets)."""
+    now = [1000.0]
+    clients = ClientRegistry(clock=lambda: now[0])
+    node = base_pb2.Node(id="envoy-gone")
+    clients.on_stream_open(1, node)
+    clients.on_stream_closed(1, node)
+    collector = ControlPlaneCollector(fleetside.view, clients, lambda: None)
+
+    def nodes() -> set[str]:
+        return {
+            s.labels["node"]
+            for m in collector.collect()
+            if m.name == PREFIX + "xds_streams"
+            for s in m.samples
+        }
+
+    assert nodes() == {"envoy-gone"}
+    now[0] += 3600
+    assert nodes() == set()

@@ -416,13 +416,21 @@ class Http2Connection(asyncio.Protocol):
                 self._engine_refused(goaway[0], goaway[1])
             self._close_with(b"")
 
+    def backlogged_now(self) -> bool:
+        """Whether the answers queued so far (this read's too) are over
+        ``max_queued_output``: checked before each held message is answered, so a resume
+        answers only while there is room. Sets :attr:`output_backlogged` when they are."""
+        if self._engine.queued() > self._limits.max_queued_output:
+            self.output_backlogged = True
+        return self.output_backlogged
+
     def _resume_streams(self) -> None:
         """The answers' backlog is below ``max_queued_output`` again: the streams answer
         the messages they held meanwhile, until it is over again."""
         reading, self._reading = self._reading, True  # one write for all, below
         try:
             for stream in list(self._streams.values()):
-                if self.output_backlogged or self._failed:
+                if self._failed or self.backlogged_now():  # over again: the rest wait
                     break
                 if stream.listener is not None:
                     stream.listener.resume()

@@ -272,7 +272,7 @@ class GrpcCall:
         """Answer the messages that waited, in order, while nothing holds them back."""
         conn = self._conn
         while self._backlog and self._pending is None and not self._over:
-            if conn.output_backlogged:
+            if conn.backlogged_now():
                 return
             message = self._backlog.popleft()
             self._backlog_bytes -= 5 + len(message)

@@ -56,8 +56,9 @@ class PeerLimits:
     max_open_calls: int = _limit(
         "streams open on all connections of the process (each a request Envoy has in "
         "flight, ~1.4 KB); one more is refused with RST_STREAM REFUSED_STREAM (Envoy goes on "
-        "without routing it)",
-        50_000,
+        "without routing it). At least the ext_proc cluster's circuit breaker (max_requests, "
+        "100,000 by default), which already bounds Envoy's streams",
+        100_000,
     )
     stream_window: int = _limit(
         "receive window of each stream, returned as the gRPC layer takes messages", 1 << 20

@@ -8,7 +8,7 @@ Layout (``ns`` is the namespace, e.g. ``prefix-router:``):
 ``{ns}alive:{replica}``     key     heartbeat, expires ``HEARTBEAT_TTL_S`` after the last beat
 ``{ns}decisions``           hash    outcome (home, placed, spilled) -> decisions counted here
 ``{ns}spills``              list    the last 100 spills, newest first, as JSON
-                                    ``{time, home, to, request_id}``
+                                    ``{time, home, to, home_in_flight, request_id}``
 ``{ns}index:{slots_log2}``  string  the prefix index (:mod:`prefix_router.core.index`):
                                     ``32 x 2**slots_log2`` bytes at most (8 MiB at 18)
 ``{ns}work``                hash    ``{id}:busy``, ``{id}:written`` and ``{id}:queue`` of each
