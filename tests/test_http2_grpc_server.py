@@ -494,6 +494,27 @@ async def raw_peer(server: GrpcServer) -> tuple[asyncio.StreamReader, asyncio.St
     return reader, writer
 
 
+async def zero_window_call(server: GrpcServer) -> tuple[asyncio.StreamReader, asyncio.StreamWriter]:
+    """A peer whose window for our answers is 0, with a call open on stream 1."""
+    reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
+    initial_window_0 = b"\x00\x04" + (0).to_bytes(4, "big")
+    writer.write(PREFACE + encode_frame(4, 0, 0, initial_window_0) + encode_frame(4, 1, 0))
+    writer.write(encode_frame(1, 0x4, 1, grpc_request(ECHO.encode())))
+    return reader, writer
+
+
+class Counting(Echo):
+    """Echoes each message at once, noting its size in ``answered``."""
+
+    def __init__(self, ends: Ends, answered: list[int]) -> None:
+        super().__init__(ends)
+        self.answered = answered
+
+    def on_message(self, message: bytes) -> Answer:
+        self.answered.append(len(message))
+        return message
+
+
 async def test_a_stream_whose_answer_waits_gets_no_window_back() -> None:
     """Messages queued behind a pending answer hold their window: the peer cannot send
     more than its window of work; when the answers come, the window comes back."""
@@ -609,19 +630,11 @@ async def test_a_peer_that_asks_without_opening_its_window_gets_no_more_answers_
     ends = Ends()
     answered: list[int] = []
 
-    class Counting(Echo):
-        def on_message(self, message: bytes) -> Answer:
-            answered.append(len(message))
-            return message
-
     limits = PeerLimits(write_stall_timeout=1.0, max_queued_output=64 * 1024, stream_window=4 << 20)
-    server = GrpcServer({ECHO: lambda: Counting(ends)}, limits)
+    server = GrpcServer({ECHO: lambda: Counting(ends, answered)}, limits)
     await server.start("127.0.0.1", 0)
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        initial_window_0 = b"\x00\x04" + (0).to_bytes(4, "big")
-        writer.write(PREFACE + encode_frame(4, 0, 0, initial_window_0) + encode_frame(4, 1, 0))
-        writer.write(encode_frame(1, 0x4, 1, grpc_request(ECHO.encode())))
+        reader, writer = await zero_window_call(server)
         message = frame_message(b"q" * 1000)
         for _ in range(2_000):  # 2 MB of questions, within the windows we gave
             writer.write(encode_frame(0, 0, 1, message))
@@ -645,10 +658,7 @@ async def test_answers_held_for_the_peers_window_go_out_once_it_opens() -> None:
     server = GrpcServer({ECHO: lambda: Echo(Ends())}, limits)
     await server.start("127.0.0.1", 0)
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        initial_window_0 = b"\x00\x04" + (0).to_bytes(4, "big")
-        writer.write(PREFACE + encode_frame(4, 0, 0, initial_window_0) + encode_frame(4, 1, 0))
-        writer.write(encode_frame(1, 0x4, 1, grpc_request(ECHO.encode())))
+        reader, writer = await zero_window_call(server)
         messages = [frame_message(b"%04d" % n + b"." * 996) for n in range(100)]
         for n, message in enumerate(messages):
             writer.write(encode_frame(0, 0x1 if n == 99 else 0, 1, message))
@@ -836,18 +846,11 @@ async def test_after_a_backlog_the_held_messages_are_answered_only_while_there_i
     answers are over max_queued_output again, and holds the rest, not all of them at once."""
     answered: list[int] = []
 
-    class Counting(Echo):
-        def on_message(self, message: bytes) -> Answer:
-            answered.append(len(message))
-            return message
-
-    server = GrpcServer({ECHO: lambda: Counting(Ends())}, PeerLimits(max_queued_output=16_000))
+    limits = PeerLimits(max_queued_output=16_000)
+    server = GrpcServer({ECHO: lambda: Counting(Ends(), answered)}, limits)
     await server.start("127.0.0.1", 0)
     try:
-        reader, writer = await asyncio.open_connection("127.0.0.1", server.port)
-        initial_window_0 = b"\x00\x04" + (0).to_bytes(4, "big")
-        writer.write(PREFACE + encode_frame(4, 0, 0, initial_window_0) + encode_frame(4, 1, 0))
-        writer.write(encode_frame(1, 0x4, 1, grpc_request(ECHO.encode())))
+        reader, writer = await zero_window_call(server)
         for _ in range(100):
             writer.write(encode_frame(0, 0, 1, frame_message(b"q" * 1000)))
         await writer.drain()
