@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import asyncio
+import time
 from collections.abc import AsyncIterator
 from typing import Any
 
@@ -14,7 +15,7 @@ from envoy.config.endpoint.v3 import endpoint_pb2
 from envoy.service.discovery.v3 import ads_pb2_grpc, discovery_pb2
 from google.rpc import status_pb2
 
-from control_plane.ads import AdsServer
+from control_plane.ads import REQUESTS_AHEAD, AdsServer
 from control_plane.cache import ALL_NODES, SnapshotCache
 from control_plane.callbacks import FORGET_AFTER_S, MAX_GONE, ClientRegistry
 from control_plane.publisher import Publisher
@@ -397,6 +398,7 @@ class _CountingAds(AdsServer):  # type: ignore[misc]
     """The ADS server, counting the requests it reads from its peers."""
 
     read = 0
+    answered = 0
 
     async def StreamAggregatedResources(  # noqa: N802 - the gRPC method name
         self, request_iterator: AsyncIterator[discovery_pb2.DiscoveryRequest], context: Any
@@ -407,6 +409,7 @@ class _CountingAds(AdsServer):  # type: ignore[misc]
                 yield request
 
         async for response in super().StreamAggregatedResources(counted(), context):
+            _CountingAds.answered += 1
             yield response
 
 
@@ -423,7 +426,7 @@ async def test_a_peer_that_reads_no_answers_is_held_back_not_buffered() -> None:
     port = free_port()
     server.add_insecure_port(f"127.0.0.1:{port}")
     await server.start()
-    _CountingAds.read = 0
+    _CountingAds.read = _CountingAds.answered = 0
     requests: asyncio.Queue[discovery_pb2.DiscoveryRequest] = asyncio.Queue()
     for i in range(2000):
         request = discovery_pb2.DiscoveryRequest(
@@ -442,9 +445,19 @@ async def test_a_peer_that_reads_no_answers_is_held_back_not_buffered() -> None:
     try:
         first = await asyncio.wait_for(call.read(), 5)  # one answer read, then no more
         assert len(first.SerializeToString()) > 50_000
-        await asyncio.sleep(2.0)  # the peer keeps sending meanwhile
-        print("server read", _CountingAds.read)
-        assert _CountingAds.read < 500
+        # the peer keeps sending until the server stops reading: wait until it has
+        deadline, seen = time.monotonic() + 30, -1
+        while _CountingAds.read != seen:
+            assert time.monotonic() < deadline, "the server never stopped reading"
+            seen = _CountingAds.read
+            await asyncio.sleep(0.5)
+        assert requests.qsize() > 0  # flow control held the peer back before it sent them all
+        # answers fill the peer's window (as many as its window holds); past them the
+        # server reads at most REQUESTS_AHEAD requests more (+1 in the handler's hands)
+        assert _CountingAds.read - _CountingAds.answered <= REQUESTS_AHEAD + 2, (
+            _CountingAds.read,
+            _CountingAds.answered,
+        )
     finally:
         call.cancel()
         await channel.close()
