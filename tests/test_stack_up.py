@@ -213,6 +213,15 @@ def test_a_signal_during_start_up_or_a_hangup_stops_everything_at_once(
         assert up.popen.wait(timeout=15) == 0
         wait_until(lambda: up.leftovers() == [], 15, "the stack to stop")
         assert "SIGINT during start-up" in up.output(), up.output()
+    # Ctrl-C twice: the second lands in the clean-up the first started, which still ends
+    with UpProcess(loading, tmp_path / "twice.out") as up:
+        wait_until(lambda: len(up.track()) >= 4, 60, "the control plane, ext_proc and Envoy")
+        assert up.popen is not None
+        up.popen.send_signal(signal.SIGINT)
+        up.popen.send_signal(signal.SIGINT)
+        assert up.popen.wait(timeout=15) == 0
+        wait_until(lambda: up.leftovers() == [], 15, "the stack to stop")
+        assert up.output().count("SIGINT during start-up") == 1, up.output()
     with UpProcess([*base, "--instances", "1"], tmp_path / "up.out") as up:
         up.wait_up()
         up.track()

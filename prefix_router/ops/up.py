@@ -671,9 +671,13 @@ def main(argv: Sequence[str] | None = None) -> int:
     starting = True
 
     def on_signal(signum: int, _frame: object) -> None:
-        stop.set()
-        if starting:  # start-up waits up to a minute for the fleet: leave it at once
+        # Start-up waits up to a minute for the fleet: the first signal leaves it at once.
+        # Only the first: a second one (Ctrl-C pressed twice) would land in the clean-up
+        # the first started, and cut short the stop of a process not yet in the stack.
+        if starting and not stop.is_set():
+            stop.set()
             raise Interrupted(signal.Signals(signum).name)
+        stop.set()
 
     for signum in STOP_SIGNALS:
         signal.signal(signum, on_signal)
