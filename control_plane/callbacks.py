@@ -100,9 +100,6 @@ class ClientRegistry(Callbacks):
 
     def forget_gone(self) -> None:
         """Drop the clients gone past :data:`FORGET_AFTER_S`, beyond :data:`MAX_GONE`."""
-        self._forget_gone()
-
-    def _forget_gone(self) -> None:
         gone = sorted(
             (c for c in self.clients.values() if not c.streams), key=lambda c: c.last_seen
         )
@@ -121,7 +118,7 @@ class ClientRegistry(Callbacks):
             client.streams.discard(stream_id)
             client.last_seen = self.clock()
             log.info("xDS stream %d of node %s closed", stream_id, node.id)
-        self._forget_gone()
+        self.forget_gone()
 
     def on_response(self, stream_id: int, node: base_pb2.Node, type_url: str, version: str) -> None:
         client = self._client(node)
@@ -155,5 +152,5 @@ class ClientRegistry(Callbacks):
         return [c for c in self.clients.values() if c.streams]
 
     def to_json_list(self) -> list[dict[str, Any]]:
-        self._forget_gone()
+        self.forget_gone()
         return [c.to_json_dict() for c in sorted(self.clients.values(), key=lambda c: c.node_id)]

@@ -27,7 +27,7 @@ from ext_proc.router import RequestRouter
 from ext_proc.servicer import PROCESS_PATH, SERVICE_NAME, ExternalProcessor
 from ext_proc.state_follower import follow_state
 from prefix_router.core.config import RouterConfig, load_config_file
-from prefix_router.core.fleet import Fleet, Instance, check_ring_keys
+from prefix_router.core.fleet import fleet_from_urls
 from prefix_router.core.table import RoutingTable
 from prefix_router.envoy.bootstrap import DEFAULT_EXT_PROC_TIMEOUT_MS
 from prefix_router.logs import setup_logging
@@ -185,9 +185,7 @@ def main(argv: Sequence[str] | None = None) -> int:
         parser.error(str(exc))
     setup_logging("ext_proc", args.log_level)
     config = load_config_file(args.config) if args.config else RouterConfig()
-    backends = [Instance.from_url(b) for b in args.backend]
-    check_ring_keys(backends)
-    fleet = Fleet.of(backends)
+    fleet = fleet_from_urls(args.backend)
 
     async def run() -> None:
         stop = asyncio.Event()

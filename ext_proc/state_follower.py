@@ -30,11 +30,6 @@ from prefix_router.state.store import WATCH_INTERVAL_S, watch_state
 log = logging.getLogger("prefix_router.ext_proc")
 
 
-def apply_state(router: RequestRouter, fleet: Fleet, config: RouterConfig, version: int) -> None:
-    """Swap in the routing table of this fleet and config, built here."""
-    use_table(router, RoutingTable.build(fleet, config, config_version=version))
-
-
 def use_table(router: RequestRouter, table: RoutingTable) -> None:
     """Swap in ``table``, and its config's bound on a Redis round trip (the store was made
     with the start-up config's)."""

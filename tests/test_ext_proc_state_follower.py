@@ -9,7 +9,7 @@ import pytest
 
 from ext_proc import state_follower
 from ext_proc.router import RequestRouter
-from ext_proc.state_follower import TableBuilder, apply_state
+from ext_proc.state_follower import TableBuilder, use_table
 from prefix_router.core.config import RouterConfig
 from prefix_router.core.fleet import Fleet, Instance
 from prefix_router.core.table import RoutingTable
@@ -27,7 +27,7 @@ async def test_a_new_redis_timeout_bounds_the_stores_round_trips(namespace: str)
     store = await RedisStore.connect(REDIS_URL, namespace=namespace, timeout_s=0.1)
     try:
         router = RequestRouter(RoutingTable.build(FLEET, RouterConfig()), store)
-        apply_state(router, FLEET, RouterConfig(redis_timeout_ms=750), version=2)
+        use_table(router, RoutingTable.build(FLEET, RouterConfig(redis_timeout_ms=750)))
         assert store.round_trip_timeout_s == 0.75
         assert router.table.config.redis_timeout_ms == 750
     finally:

@@ -298,6 +298,13 @@ def instance_from_file(entry: Any) -> Instance:
     )
 
 
+def fleet_from_urls(urls: list[str]) -> Fleet:
+    """``--backend`` URLs (:meth:`Instance.from_url`) -> a fleet whose ring keys are distinct."""
+    instances = [Instance.from_url(url) for url in urls]
+    check_ring_keys(instances)
+    return Fleet.of(instances)
+
+
 def fleet_from_file(data: Any) -> Fleet:
     """A fleet file's ``instances`` (the parsed YAML's list) -> a fleet whose ring keys are
     distinct. Raises :class:`FleetError` naming the entry at fault."""

@@ -51,8 +51,8 @@ from prefix_router.core.fleet import (
     INSTANCE_API_KEY_ENV,
     Fleet,
     Instance,
-    check_ring_keys,
     fleet_from_file,
+    fleet_from_urls,
 )
 from prefix_router.envoy.bootstrap import BootstrapParams
 from prefix_router.ops.launch import (
@@ -383,9 +383,7 @@ class Stack:
     def _start_backends(self) -> Fleet:
         s = self.settings
         if s.backend:
-            backends = [Instance.from_url(url) for url in s.backend]
-            check_ring_keys(backends)
-            return Fleet.of(backends)
+            return fleet_from_urls(list(s.backend))
         if s.fleet:
             try:
                 return fleet_from_file(_read_yaml(s.fleet).get("instances") or [])
